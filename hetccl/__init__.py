@@ -1,0 +1,85 @@
+"""hetccl: one collective-communication library across GPUs of different vendors and CPU hosts.
+
+    import hetccl
+    comm = await hetccl.init()          # rank/size from hetccl run, torchrun, Slurm or Open MPI
+    await comm.all_reduce(buf)          # numpy arrays, torch tensors, any buffer
+
+`init_sync()` gives the same methods as plain blocking calls for code without an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .communicator import Communicator
+from .config import Identity, Settings, identity_from_env, parse_addr
+from .dtypes import DType, ReduceOp
+from .errors import (
+    AuthenticationError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    ConfigError,
+    HetcclError,
+    PeerLostError,
+    ProtocolError,
+    TransportError,
+)
+from .sync import SyncCommunicator
+
+__version__ = "0.1.0"
+
+
+async def init(rank: int | None = None, world_size: int | None = None, addr: str | None = None,
+               timeout: float | None = None, local_rank: int | None = None) -> Communicator:
+    """Join the job and return the world communicator.
+
+    With no arguments everything comes from the environment (HETCCL_*, torchrun, Slurm, Open MPI; see
+    README). Arguments override the environment: `addr` is the rendezvous "host:port" that rank 0 serves.
+    """
+    if rank is None and world_size is None:
+        ident = identity_from_env()
+        if addr is not None:
+            ident.addr = parse_addr(addr)
+    else:
+        if rank is None or world_size is None:
+            raise ConfigError("pass both rank= and world_size= (or neither, to read the environment)")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank={rank} is outside 0..{world_size - 1}")
+        if addr is None and world_size > 1:
+            import os
+
+            if "HETCCL_ADDR" not in os.environ:
+                raise ConfigError("pass addr='host:port' (rank 0 serves the rendezvous there) or set HETCCL_ADDR")
+            addr = os.environ["HETCCL_ADDR"]
+        ident = Identity(rank, world_size, rank if local_rank is None else local_rank,
+                         parse_addr(addr) if addr else None, "arguments")
+    settings = Settings.from_env(timeout=timeout)
+    from .bootstrap import Fabric
+
+    fabric = await Fabric.create(ident, settings)
+    comm = Communicator(fabric, 1, list(range(ident.world_size)))
+    comm._fabric_owner = True
+    return comm
+
+
+def init_sync(**kwargs: Any) -> SyncCommunicator:
+    """Blocking facade: same arguments as init(); collectives run on a background event loop."""
+    return SyncCommunicator.create(init, **kwargs)
+
+
+def run(main: Any) -> Any:
+    """Run a coroutine on uvloop (hetccl's transports are fastest there): hetccl.run(main())."""
+    try:
+        import uvloop
+
+        return uvloop.run(main)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(main)
+
+
+__all__ = [
+    "init", "init_sync", "run", "Communicator", "SyncCommunicator", "ReduceOp", "DType",
+    "HetcclError", "CollectiveTimeout", "PeerLostError", "CollectiveMismatchError", "AuthenticationError",
+    "ConfigError", "TransportError", "ProtocolError", "__version__",
+]

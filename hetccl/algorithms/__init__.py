@@ -1,0 +1,76 @@
+"""Algorithm families and the choice between them.
+
+- `ring`: bandwidth-optimal pipelined rings/chains (all_reduce, reduce_scatter, all_gather, broadcast, reduce)
+- `latency`: recursive doubling, binomial trees, direct exchanges (few rounds, for small messages)
+- `direct`: personalised exchanges (all_to_all, gather, scatter) — the only family for those
+
+`choose()` picks ring or latency with an alpha-beta cost model whose constants depend on the transports
+the communicator uses (shared memory: cheap rounds; TCP: expensive rounds); HETCCL_ALGO overrides it,
+either globally (`ring`, `latency`) or per collective (`all_reduce=ring,broadcast=latency`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+
+RING, LATENCY = "ring", "latency"
+_ALIASES = {"ring": RING, "latency": LATENCY, "tree": LATENCY, "rd": LATENCY, "recursive_doubling": LATENCY,
+            "direct": LATENCY}
+CHOOSABLE = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+# per-round latency (s), per-byte wire time (s/B), per-byte reduction time (s/B)
+COSTS = {"shm": (4e-6, 1 / 6e9, 1 / 8e9), "tcp": (40e-6, 1 / 2e9, 1 / 8e9)}
+
+
+def parse_override(text: str | None) -> dict[str, str]:
+    """'ring' -> every op; 'all_reduce=ring,broadcast=tree' -> per op."""
+    if not text:
+        return {}
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        op, _, algo = part.rpartition("=")
+        algo = _ALIASES.get(algo.strip().lower())
+        if algo is None:
+            raise ConfigError(f"HETCCL_ALGO={text!r}: algorithms are ring or latency (tree/rd)")
+        if op:
+            if op not in CHOOSABLE:
+                raise ConfigError(f"HETCCL_ALGO={text!r}: {op!r} is not one of {', '.join(CHOOSABLE)}")
+            out[op] = algo
+        else:
+            out.update({k: algo for k in CHOOSABLE})
+    return out
+
+
+def estimate(op: str, algo: str, nbytes: int, n: int, kind: str) -> float:
+    a, b, g = COSTS.get(kind, COSTS["tcp"])
+    lg = math.ceil(math.log2(n)) if n > 1 else 0
+    frac = (n - 1) / n
+    if op == "all_reduce":
+        if algo == RING:
+            return 2 * (n - 1) * a + frac * nbytes * (2 * b + g)
+        fold = 0 if n & (n - 1) == 0 else 2
+        return (lg + fold) * a + (lg + fold) * nbytes * b + lg * nbytes * g
+    if op in ("broadcast", "reduce"):
+        gg = g if op == "reduce" else 0.0
+        if algo == RING:
+            return (n - 1) * a + nbytes * (b + gg) * (1 + 0.05 * (n - 2))
+        return lg * (a + nbytes * (b + gg))
+    # all_gather / reduce_scatter: the direct exchange moves the same bytes in one round but lands all
+    # peers' traffic on each rank at once
+    gg = g if op == "reduce_scatter" else 0.0
+    if algo == RING:
+        return (n - 1) * a + frac * nbytes * (b + gg)
+    return a + frac * nbytes * (b * (1 + 0.25 * (n - 2)) + gg) + (n - 1) * 1e-6
+
+
+def choose(op: str, nbytes: int, n: int, kind: str, override: dict[str, str]) -> str:
+    if op in override:
+        return override[op]
+    if n <= 1:
+        return LATENCY
+    return min((RING, LATENCY), key=lambda algo: estimate(op, algo, nbytes, n, kind))

@@ -1,0 +1,183 @@
+"""Bootstrap: rendezvous, topology exchange and transport wiring of one process ("the fabric").
+
+1. Rank 0 hosts the rendezvous store (unless HETCCL_STORE_EXTERNAL=1 says it runs elsewhere); everyone
+   connects with the job secret.
+2. Every rank starts its transports' listeners and publishes one record: host identity, pid, hostname
+   and each transport's address. Every rank reads all records: the topology (which ranks share a host).
+3. For each peer the highest-priority transport both sides have and that reaches it is chosen (shared
+   memory inside a host, TCP across hosts), and the transports connect.
+
+A host is identified by hostname, boot id and network namespace, so two network namespaces on one
+machine count as two hosts (that is how the multi-host tests build "hosts").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Identity, Settings
+from .errors import ConfigError, HetcclError
+from .netio import route_source_addr
+from .store import StoreClient, StoreServer
+from .transports import registry
+from .transports.base import Endpoint, Transport, TransportContext
+
+log = logging.getLogger("hetccl")
+
+
+def host_identity() -> str:
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "?"
+    return f"{socket.gethostname()}/{boot[:8]}/{netns}"
+
+
+@dataclass
+class Topology:
+    hosts: list[str]  # host id of every rank
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.hosts[a] == self.hosts[b]
+
+    def local_ranks(self, rank: int) -> list[int]:
+        return [r for r, h in enumerate(self.hosts) if h == self.hosts[rank]]
+
+    def local_rank(self, rank: int) -> int:
+        return self.local_ranks(rank).index(rank)
+
+    @property
+    def num_hosts(self) -> int:
+        return len(set(self.hosts))
+
+
+class Fabric:
+    """The connections of one process: store, transports and one endpoint per peer."""
+
+    def __init__(self, identity: Identity, settings: Settings):
+        self.rank, self.size = identity.rank, identity.world_size
+        self.identity, self.settings = identity, settings
+        self.server: StoreServer | None = None
+        self.store: StoreClient | None = None
+        self.transports: list[Transport] = []
+        self.endpoints: dict[int, Endpoint] = {}
+        self.peer_transport: dict[int, str] = {}
+        self.records: list[dict[str, Any]] = []
+        self.topology = Topology([host_identity()])
+        self.job = ""
+        self.closed = False
+
+    @classmethod
+    async def create(cls, identity: Identity, settings: Settings) -> Fabric:
+        fab = cls(identity, settings)
+        try:
+            await fab._bootstrap()
+        except BaseException:
+            await fab.close(graceful=False)
+            raise
+        return fab
+
+    async def _bootstrap(self) -> None:
+        s, rank, size = self.settings, self.rank, self.size
+        if not s.secret:
+            log.warning("hetccl: HETCCL_SECRET is not set; connections are authenticated with an empty key. "
+                        "Set the same HETCCL_SECRET on every rank (hetccl run does it for you).")
+        host, port = self.identity.addr or ("127.0.0.1", 0)
+        if rank == 0 and os.environ.get("HETCCL_STORE_EXTERNAL") != "1":
+            self.server = StoreServer(host, port, s.secret)
+            port = await self.server.start()
+        if size == 1 and self.server is None and self.identity.addr is None:
+            raise ConfigError("no rendezvous address")
+        self.store = StoreClient(host, port, s.secret, s.timeout, rank)
+        await self.store.connect()
+        # a fresh job id per rendezvous: keys and data connections of another job never mix with ours
+        if rank == 0:
+            self.job = secrets.token_hex(8)
+            await self.store.set("job", self.job)
+        else:
+            self.job = await self.store.get("job")
+        bind = s.bind_addr or route_source_addr(host, port)
+        ctx = TransportContext(rank, size, self.job, self.topology.hosts[0], s, self.store, bind)
+        records: dict[str, Any] = {}
+        for cls_ in registry.selected(s.transports):
+            t = cls_(ctx)
+            records[t.name] = await t.listen()
+            self.transports.append(t)
+        if not self.transports:
+            raise ConfigError("no usable transport; see `hetccl info`")
+        mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
+                "transports": records}
+        await self.store.set(f"{self.job}/rank/{rank}", mine)
+        self.records = [mine if r == rank else await self.store.get(f"{self.job}/rank/{r}")
+                        for r in range(size)]
+        self.topology = Topology([rec["host"] for rec in self.records])
+        ctx.local_ranks = self.topology.local_ranks(rank)
+        # choose a transport per peer: highest priority that both sides have and that reaches the peer
+        plan: dict[str, dict[int, dict[str, Any]]] = {t.name: {} for t in self.transports}
+        for peer in range(size):
+            if peer == rank:
+                continue
+            theirs = self.records[peer]["transports"]
+            same = self.topology.same_host(rank, peer)
+            for t in self.transports:
+                if t.name in theirs and t.can_reach(peer, theirs[t.name], same):
+                    plan[t.name][peer] = theirs[t.name]
+                    self.peer_transport[peer] = t.name
+                    break
+            else:
+                raise ConfigError(f"rank {rank} has no transport to reach rank {peer} "
+                                  f"(ours: {[t.name for t in self.transports]}, theirs: {sorted(theirs)}); "
+                                  "check HETCCL_TRANSPORTS on both")
+        results = await asyncio.gather(*(t.connect(plan[t.name]) for t in self.transports))
+        for eps in results:
+            self.endpoints.update(eps)
+        log.info("hetccl: rank %d/%d host %s local %d/%d transports %s", rank, size, socket.gethostname(),
+                 self.topology.local_rank(rank), len(ctx.local_ranks),
+                 {p: self.peer_transport[p] for p in sorted(self.peer_transport)})
+
+    def transport_kind(self, peers: list[int]) -> str:
+        """'shm' when every peer in the list is reached by shared memory, else 'tcp' (for the cost model)."""
+        kinds = {self.peer_transport.get(p, "tcp") for p in peers if p != self.rank}
+        return "shm" if kinds <= {"shm"} else "tcp"
+
+    async def close(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.store is not None and self.size > 1:
+            # nobody tears down connections while a peer may still be reading from them (a TCP close with
+            # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier
+            with contextlib.suppress(HetcclError, OSError):
+                wait = min(10.0, self.settings.timeout)
+                await self.store.set(f"{self.job}/closing/{self.rank}", 1)
+                for r in range(self.size):
+                    await self.store.get(f"{self.job}/closing/{r}", timeout=wait)
+                await self.store.set(f"{self.job}/closed/{self.rank}", 1)
+                if self.server is not None:
+                    await self._wait_all_closed(wait)
+        for t in self.transports:
+            with contextlib.suppress(Exception):
+                await t.close()
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None:
+            await self.server.close()
+
+    async def _wait_all_closed(self, timeout: float) -> None:
+        assert self.server is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        keys = [f"{self.job}/closed/{r}" for r in range(self.size)]
+        while not all(k in self.server.data for k in keys) and loop.time() < deadline:
+            await asyncio.sleep(0.002)

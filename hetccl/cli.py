@@ -1,0 +1,54 @@
+"""Command line: `hetccl run`, `hetccl bench`, `hetccl info`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .launcher import launch
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("hetccl run: give the command to launch, e.g. hetccl run -n 2 -- python train.py", file=sys.stderr)
+        return 2
+    return launch(args.nprocs, cmd, addr=args.addr, port=args.port, timeout=args.timeout)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .info import print_info
+
+    return print_info()
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    p = argparse.ArgumentParser(prog="hetccl", description="hetccl: collectives across heterogeneous clusters")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="launch N local ranks (like torchrun --standalone)")
+    r.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    r.add_argument("--addr", default="127.0.0.1", help="rendezvous address rank 0 listens on")
+    r.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    r.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
+    r.set_defaults(func=_cmd_run)
+    i = sub.add_parser("info", help="version, native build, transports and why any is unavailable")
+    i.set_defaults(func=_cmd_info)
+    sub.add_parser("bench", help="nccl-tests style benchmark (hetccl bench --help)")
+    args = p.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+"""The public async Communicator: validates arguments, numbers collectives, picks an algorithm and runs
+it through the scheduler. One process fabric (connections) may serve several communicators (split)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from . import algorithms
+from .algorithms import direct, latency, ring
+from .bootstrap import Fabric
+from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
+from .errors import ConfigError, HetcclError
+from .scheduler import CollCtx, Watchdog, run_collective
+from .wire import CollOp, Fingerprint
+
+P2P_TAG = 0xFFFF << 48
+_NO_DTYPE, _NO_OP = 255, 255
+
+
+class _ScratchPool:
+    """Page-aligned scratch buffers reused across collectives (big allocations cost page faults)."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for i, arr in enumerate(self._free):
+            if len(arr) >= nbytes:
+                return self._free.pop(i)
+        raw = np.empty(max(nbytes, 4096) + 4096, np.uint8)
+        off = (-raw.ctypes.data) % 4096
+        return raw[off: off + max(nbytes, 4096)]
+
+    def give(self, arr: np.ndarray) -> None:
+        if len(self._free) < 8:
+            self._free.append(arr)
+
+
+class Communicator:
+    """A group of ranks that run collectives together. Create with `await hetccl.init()`."""
+
+    def __init__(self, fabric: Fabric, comm_id: int, members: list[int]):
+        self._fabric = fabric
+        self._settings = fabric.settings
+        self.comm_id = comm_id
+        self._members = members
+        self.rank = members.index(fabric.rank)
+        self.size = len(members)
+        self._global_to_comm = {g: i for i, g in enumerate(members)}
+        self._endpoints = {i: fabric.endpoints[g] for i, g in enumerate(members) if g != fabric.rank}
+        self._seq = 0
+        self._send_seq: dict[int, int] = defaultdict(int)
+        self._recv_seq: dict[int, int] = defaultdict(int)
+        self._splits = 0
+        self._closed = False
+        self._pool = _ScratchPool()
+        self._override = algorithms.parse_override(self._settings.algo)
+        self._kind = fabric.transport_kind(members)
+        self._children: list[Communicator] = []
+        self._watchdog = Watchdog()
+        self._algo_cache: dict[tuple[str, int], str] = {}
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"<hetccl.Communicator rank {self.rank}/{self.size} id {self.comm_id:#x}>"
+
+    @property
+    def topology(self) -> Any:
+        return self._fabric.topology
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HetcclError("communicator is closed; create a new one with hetccl.init()")
+
+    def _fp(self, op: int, dtype: DType | None, count: int, root: int = -1,
+            redop: ReduceOp | None = None) -> Fingerprint:
+        self._check_open()
+        seq = self._seq
+        self._seq = (seq + 1) & 0xFFFFFFFF
+        return Fingerprint(self.comm_id, seq, op, _NO_DTYPE if dtype is None else int(dtype), count, root,
+                           _NO_OP if redop is None else int(redop))
+
+    def _root(self, root: int) -> int:
+        if not isinstance(root, int | np.integer) or not 0 <= root < self.size:
+            raise ConfigError(f"root={root!r} is not a rank of this communicator (0..{self.size - 1})")
+        return int(root)
+
+    def _algo(self, op: str, nbytes: int) -> str:
+        algo = self._algo_cache.get((op, nbytes))
+        if algo is None:
+            if len(self._algo_cache) > 4096:
+                self._algo_cache.clear()
+            algo = self._algo_cache[op, nbytes] = algorithms.choose(op, nbytes, self.size, self._kind,
+                                                                    self._override)
+        return algo
+
+    # ---- collectives ---------------------------------------------------------------------------------
+    async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
+        """In place: every rank ends with the reduction of all ranks' `buf`."""
+        b, rop = as_buf(buf, "buf"), parse_op(op)
+        fp = self._fp(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
+        ctx = CollCtx(self, fp, b.dtype, rop)
+        if self._algo("all_reduce", b.nbytes) == algorithms.RING:
+            await run_collective(self, fp, lambda: ring.all_reduce(ctx, b))
+            return
+        scratch = self._pool.take(b.nbytes)
+        try:
+            await run_collective(self, fp, lambda: latency.all_reduce(ctx, b, scratch[: b.nbytes]))
+        finally:
+            self._pool.give(scratch)
+
+    async def all_gather(self, out: Any, inp: Any) -> None:
+        """out (size * len(inp) elements) receives every rank's inp, rank-major."""
+        o, i = as_buf(out, "out"), as_buf(inp, "inp", writable=False)
+        self._same_dtype(o, i)
+        if o.count != self.size * i.count:
+            raise ConfigError(f"all_gather: out has {o.count} elements, needs size*len(inp) = "
+                              f"{self.size}*{i.count} = {self.size * i.count}")
+        fp = self._fp(CollOp.ALL_GATHER, o.dtype, i.count)
+        nb = i.nbytes
+        if not np.shares_memory(o.data[self.rank * nb:(self.rank + 1) * nb], i.data) or \
+                o.data[self.rank * nb:].ctypes.data != i.data.ctypes.data:
+            o.data[self.rank * nb:(self.rank + 1) * nb] = i.data
+        ctx = CollCtx(self, fp, o.dtype, None)
+        algo = ring.all_gather if self._algo("all_gather", o.nbytes) == algorithms.RING else latency.all_gather
+        await run_collective(self, fp, lambda: algo(ctx, o))
+
+    async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
+        """out (k elements) receives block `rank` of the reduction of every rank's inp (size * k)."""
+        o, i, rop = as_buf(out, "out"), as_buf(inp, "inp", writable=False), parse_op(op)
+        self._same_dtype(o, i)
+        if i.count != self.size * o.count:
+            raise ConfigError(f"reduce_scatter: inp has {i.count} elements, needs size*len(out) = "
+                              f"{self.size}*{o.count} = {self.size * o.count}")
+        fp = self._fp(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, rop)
+        ctx = CollCtx(self, fp, o.dtype, rop)
+        scratch = self._pool.take(i.nbytes)
+        try:
+            if self._algo("reduce_scatter", i.nbytes) == algorithms.RING:
+                s = scratch[: i.nbytes]
+                s[:] = i.data
+                await run_collective(self, fp, lambda: ring.reduce_scatter(ctx, o, i, s))
+            else:
+                await run_collective(self, fp, lambda: latency.reduce_scatter(ctx, o, i, scratch[: i.nbytes]))
+        finally:
+            self._pool.give(scratch)
+
+    async def broadcast(self, buf: Any, root: int = 0) -> None:
+        """Every rank's buf becomes root's buf."""
+        root = self._root(root)
+        b = as_buf(buf, "buf", writable=(self.rank != root))
+        fp = self._fp(CollOp.BROADCAST, b.dtype, b.count, root)
+        ctx = CollCtx(self, fp, b.dtype, None)
+        algo = ring.broadcast if self._algo("broadcast", b.nbytes) == algorithms.RING else latency.broadcast
+        await run_collective(self, fp, lambda: algo(ctx, b, root))
+
+    async def reduce(self, buf: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> None:
+        """root's buf becomes the reduction of every rank's buf; other ranks' buffers are left unchanged."""
+        root = self._root(root)
+        b, rop = as_buf(buf, "buf", writable=(self.rank == root)), parse_op(op)
+        fp = self._fp(CollOp.REDUCE, b.dtype, b.count, root, rop)
+        ctx = CollCtx(self, fp, b.dtype, rop)
+        scratch = self._pool.take(2 * b.nbytes)
+        try:
+            acc = None
+            if self.rank != root:
+                acc = scratch[: b.nbytes]
+                acc[:] = b.data
+            if self._algo("reduce", b.nbytes) == algorithms.RING:
+                await run_collective(self, fp, lambda: ring.reduce(ctx, b, root, acc))
+            else:
+                tmp = scratch[b.nbytes: 2 * b.nbytes]
+                await run_collective(self, fp, lambda: latency.reduce(ctx, b, root, acc, tmp))
+        finally:
+            self._pool.give(scratch)
+
+    async def all_to_all(self, out: Any, inp: Any) -> None:
+        """Block p of every rank's inp goes to rank p, landing in block `sender` of its out."""
+        o, i = as_buf(out, "out"), as_buf(inp, "inp", writable=False)
+        self._same_dtype(o, i)
+        if o.count != i.count or i.count % self.size:
+            raise ConfigError(f"all_to_all: out and inp need the same length, a multiple of size={self.size} "
+                              f"(got {o.count} and {i.count})")
+        fp = self._fp(CollOp.ALL_TO_ALL, o.dtype, i.count)
+        ctx = CollCtx(self, fp, o.dtype, None)
+        await run_collective(self, fp, lambda: direct.all_to_all(ctx, o, i))
+
+    async def gather(self, out: Any, inp: Any, root: int = 0) -> None:
+        """root's out (size * len(inp)) receives every rank's inp, rank-major; out may be None elsewhere."""
+        root = self._root(root)
+        i = as_buf(inp, "inp", writable=False)
+        o = None
+        if self.rank == root:
+            o = as_buf(out, "out")
+            self._same_dtype(o, i)
+            if o.count != self.size * i.count:
+                raise ConfigError(f"gather: out has {o.count} elements, needs size*len(inp) = "
+                                  f"{self.size * i.count}")
+        fp = self._fp(CollOp.GATHER, i.dtype, i.count, root)
+        ctx = CollCtx(self, fp, i.dtype, None)
+        await run_collective(self, fp, lambda: direct.gather(ctx, o, i, root))
+
+    async def scatter(self, out: Any, inp: Any, root: int = 0) -> None:
+        """Block p of root's inp (size * len(out)) lands in rank p's out; inp may be None off root."""
+        root = self._root(root)
+        o = as_buf(out, "out")
+        i = None
+        if self.rank == root:
+            i = as_buf(inp, "inp", writable=False)
+            self._same_dtype(o, i)
+            if i.count != self.size * o.count:
+                raise ConfigError(f"scatter: inp has {i.count} elements, needs size*len(out) = "
+                                  f"{self.size * o.count}")
+        fp = self._fp(CollOp.SCATTER, o.dtype, o.count, root)
+        ctx = CollCtx(self, fp, o.dtype, None)
+        await run_collective(self, fp, lambda: direct.scatter(ctx, o, i, root))
+
+    async def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+        fp = self._fp(CollOp.BARRIER, None, 0)
+        ctx = CollCtx(self, fp, DType.UINT8, None)
+        await run_collective(self, fp, lambda: latency.barrier(ctx))
+
+    # ---- point to point ------------------------------------------------------------------------------
+    def _peer(self, peer: int) -> int:
+        if not isinstance(peer, int | np.integer) or not 0 <= peer < self.size or peer == self.rank:
+            raise ConfigError(f"peer={peer!r} must be another rank of this communicator (0..{self.size - 1}, "
+                              f"not {self.rank})")
+        return int(peer)
+
+    async def send(self, buf: Any, peer: int) -> None:
+        """Send buf to peer; matched in order with the peer's recv calls from this rank."""
+        self._check_open()
+        peer = self._peer(peer)
+        b = as_buf(buf, "buf", writable=False)
+        seq = self._send_seq[peer]
+        self._send_seq[peer] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(self.comm_id, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        ep = self._endpoints[peer]
+        await run_collective(self, fp, lambda: ep.send(fp, P2P_TAG | self.rank, b.data))
+
+    async def recv(self, buf: Any, peer: int) -> None:
+        """Receive into buf from peer (same dtype and count as the matching send)."""
+        self._check_open()
+        peer = self._peer(peer)
+        b = as_buf(buf, "buf")
+        seq = self._recv_seq[peer]
+        self._recv_seq[peer] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(self.comm_id, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        ep = self._endpoints[peer]
+
+        async def body() -> None:
+            await ep.post_recv(fp, P2P_TAG | peer, b.data)
+
+        await run_collective(self, fp, body)
+
+    # ---- groups --------------------------------------------------------------------------------------
+    async def split(self, color: int | None, key: int = 0) -> Communicator | None:
+        """Collective: ranks with the same color form a new communicator, ordered by (key, rank).
+        color None -> this rank joins none and gets None."""
+        self._check_open()
+        if color is not None and (not isinstance(color, int | np.integer) or color < 0):
+            raise ConfigError(f"split color must be a non-negative int or None (got {color!r})")
+        mine = np.array([-1 if color is None else int(color), int(key)], dtype=np.int64)
+        table = np.empty(2 * self.size, dtype=np.int64)
+        await self.all_gather(table, mine)
+        self._splits += 1
+        if color is None:
+            return None
+        members = sorted((int(table[2 * r + 1]), r) for r in range(self.size) if table[2 * r] == color)
+        global_members = [self._members[r] for _, r in members]
+        digest = hashlib.blake2s(f"{self.comm_id}/{self._splits}/{color}".encode(), digest_size=4).digest()
+        child = Communicator(self._fabric, int.from_bytes(digest, "little") or 1, global_members)
+        self._children.append(child)
+        return child
+
+    def _same_dtype(self, a: Buf, b: Buf) -> None:
+        if a.dtype != b.dtype:
+            raise ConfigError(f"out and inp dtypes differ ({a.dtype.name.lower()} vs {b.dtype.name.lower()}); "
+                              "use the same dtype for both")
+
+    async def close(self) -> None:
+        """Close this communicator; closing the one from init() also closes the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._fabric_owner:
+            for c in self._children:
+                c._closed = True
+            await self._fabric.close()
+
+    _fabric_owner = False

@@ -1,0 +1,152 @@
+"""Configuration from the environment: who am I (rank sources), deadlines, chunking, choices.
+
+Rank sources are read in a fixed order: HETCCL_*, torchrun, Slurm, Open MPI. The first source whose rank
+variable is set wins; a source that is only partly set is an error naming the missing variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
+
+# (source name, rank var, size var, local-rank var, how the address is found)
+_RANK_SOURCES = (
+    ("hetccl", "HETCCL_RANK", "HETCCL_WORLD_SIZE", "HETCCL_LOCAL_RANK"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+)
+
+
+def _env_int(name: str, env: dict[str, str]) -> int:
+    raw = env.get(name)
+    try:
+        return int(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={raw!r} is not an integer; set it to a whole number") from None
+
+
+def env_float(name: str, default: float, env: dict[str, str] | None = None) -> float:
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """'4K', '64M', '1G', '4096' -> bytes (powers of two, like nccl-tests)."""
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    try:
+        value = int(float(s) * mult)
+    except ValueError:
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 4096, 64K, 1M") from None
+    if value < 0:
+        raise ConfigError(f"size {text!r} must be >= 0")
+    return value
+
+
+def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [v6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest.lstrip(":")
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    try:
+        return host or "127.0.0.1", int(port) if port else default_port
+    except ValueError:
+        raise ConfigError(f"address {text!r} is not host:port") from None
+
+
+@dataclass
+class Identity:
+    rank: int
+    world_size: int
+    local_rank: int
+    addr: tuple[str, int] | None
+    source: str
+
+
+def identity_from_env(env: dict[str, str] | None = None) -> Identity:
+    env = dict(os.environ if env is None else env)
+    for source, rank_var, size_var, local_var in _RANK_SOURCES:
+        if rank_var not in env:
+            continue
+        if size_var not in env:
+            raise ConfigError(f"{rank_var} is set but {size_var} is missing ({source} launch); set {size_var}")
+        rank, size = _env_int(rank_var, env), _env_int(size_var, env)
+        local = _env_int(local_var, env) if local_var in env else None
+        addr = None
+        if "HETCCL_ADDR" in env:
+            addr = parse_addr(env["HETCCL_ADDR"])
+        elif source == "torchrun" or "MASTER_ADDR" in env:
+            if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+                missing = "MASTER_ADDR" if "MASTER_ADDR" not in env else "MASTER_PORT"
+                raise ConfigError(f"{source} launch: {missing} is missing; set it or HETCCL_ADDR=host:port")
+            addr = (env["MASTER_ADDR"], _env_int("MASTER_PORT", env))
+        if addr is None and size > 1:
+            raise ConfigError(
+                f"{source} launch: no rendezvous address; set HETCCL_ADDR=host:port "
+                "(or MASTER_ADDR and MASTER_PORT)"
+            )
+        if local is None:
+            local = rank if size == 1 else -1  # learnt from the topology exchange
+        return Identity(rank, size, local, addr, source)
+    raise ConfigError(
+        "cannot tell this process's rank: set HETCCL_RANK and HETCCL_WORLD_SIZE and HETCCL_ADDR "
+        "(or launch with `hetccl run -n N`, torchrun, srun or mpirun), or pass rank=, world_size=, addr="
+    )
+
+
+@dataclass
+class Settings:
+    """Knobs read once per communicator; tests and callers may override fields."""
+
+    timeout: float = DEFAULT_TIMEOUT_S
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    algo: str | None = None
+    transports: list[str] | None = None
+    secret: bytes = b""
+    bind_addr: str | None = None
+    max_frame_bytes: int = 1 << 20  # control-plane frames
+    unexpected_bytes: int = 256 << 20  # per-peer buffer for data that arrives before its receive
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, timeout: float | None = None) -> Settings:
+        env = os.environ if env is None else env
+        s = cls()
+        s.timeout = timeout if timeout is not None else env_float("HETCCL_TIMEOUT", DEFAULT_TIMEOUT_S, env)
+        if s.timeout <= 0:
+            raise ConfigError("timeout must be > 0 seconds")
+        if env.get("HETCCL_CHUNK_BYTES"):
+            s.chunk_bytes = parse_size(env["HETCCL_CHUNK_BYTES"])
+            if s.chunk_bytes < 4096:
+                raise ConfigError("HETCCL_CHUNK_BYTES must be >= 4096")
+        if env.get("HETCCL_ALGO"):
+            s.algo = env["HETCCL_ALGO"].strip().lower()
+        if env.get("HETCCL_TRANSPORTS"):
+            s.transports = [t.strip().lower() for t in env["HETCCL_TRANSPORTS"].split(",") if t.strip()]
+        s.secret = env.get("HETCCL_SECRET", "").encode()
+        s.bind_addr = env.get("HETCCL_BIND_ADDR") or None
+        return s

@@ -1,0 +1,84 @@
+"""Small helpers for non-blocking sockets driven by the asyncio loop (zero-copy receive, framed control)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from .errors import PeerLostError
+from .wire import CONTROL_LEN, control_length, decode_control_body, encode_control
+
+
+async def recv_into_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview,
+                          peer: int = -1) -> None:
+    """Fill `mv` from `sock` (no intermediate copy). EOF -> PeerLostError."""
+    got, n = 0, len(mv)
+    while got < n:
+        try:
+            k = sock.recv_into(mv[got:])
+        except BlockingIOError:
+            k = await loop.sock_recv_into(sock, mv[got:])
+        except (ConnectionError, OSError) as exc:
+            raise PeerLostError(f"connection to rank {peer} failed: {exc}", peer) from None
+        if k == 0:
+            raise PeerLostError(f"rank {peer} closed the connection", peer)
+        got += k
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, peer: int = -1) -> bytes:
+    buf = bytearray(n)
+    await recv_into_exact(loop, sock, memoryview(buf), peer)
+    return bytes(buf)
+
+
+async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[Any],
+                   peer: int = -1) -> None:
+    """Send every part in order; first try one sendmsg syscall, then let the loop finish the rest."""
+    try:
+        try:
+            sent = sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        for part in parts:
+            mv = memoryview(part).cast("B")
+            if sent >= len(mv):
+                sent -= len(mv)
+                continue
+            await loop.sock_sendall(sock, mv[sent:])
+            sent = 0
+    except (ConnectionError, OSError) as exc:
+        raise PeerLostError(f"sending to rank {peer} failed: {exc}", peer) from None
+
+
+async def read_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, max_bytes: int,
+                       peer: int = -1) -> dict[str, Any]:
+    n = control_length(await recv_exact(loop, sock, CONTROL_LEN.size, peer), max_bytes)
+    return decode_control_body(await recv_exact(loop, sock, n, peer), max_bytes)
+
+
+async def write_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict[str, Any],
+                        max_bytes: int, peer: int = -1) -> None:
+    await send_all(loop, sock, [encode_control(obj, max_bytes)], peer)
+
+
+def tune_socket(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            except OSError:
+                pass
+
+
+def route_source_addr(dest_host: str, dest_port: int) -> str:
+    """The local address the kernel would use to reach dest (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in dest_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((dest_host, dest_port or 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"

@@ -1,0 +1,174 @@
+"""The async scheduler: splits a collective into chunks, runs each chunk's chain of steps as an asyncio
+task (so the send of chunk k overlaps the reduction of chunk k-1), and enforces the deadline.
+
+Algorithms describe *what* moves (per step, per block, per chunk); `CollCtx` gives them tagged
+send/receive on communicator ranks, and `run_collective` owns sequencing, deadlines and clean-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import native
+from .dtypes import Buf, DType, ReduceOp
+from .errors import CollectiveTimeout, HetcclError
+from .wire import Fingerprint
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+
+def block_ranges(count: int, n: int) -> list[tuple[int, int]]:
+    """Split `count` elements into n contiguous blocks whose sizes differ by at most one."""
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for b in range(n):
+        size = base + (1 if b < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def chunk_ranges(start: int, stop: int, nchunks: int) -> list[tuple[int, int]]:
+    """Split [start, stop) into nchunks pieces (some may be empty)."""
+    return [(start + a, start + b) for a, b in block_ranges(stop - start, nchunks)]
+
+
+def num_chunks(max_elems: int, itemsize: int, chunk_bytes: int) -> int:
+    return max(1, -(-max_elems * itemsize // chunk_bytes))
+
+
+_REDUCERS: dict[tuple[DType, ReduceOp], Callable[[np.ndarray, Any], None]] = {}
+
+
+def _reducer(dtype: DType, op: ReduceOp) -> Callable[[np.ndarray, Any], None]:
+    fn = _REDUCERS.get((dtype, op))
+    if fn is None:
+        isz = dtype.itemsize
+
+        def fn(dst: np.ndarray, src: Any) -> None:
+            native.reduce_into(dst, src, dtype, op, len(dst) // isz)
+
+        _REDUCERS[dtype, op] = fn
+    return fn
+
+
+def make_tag(phase: int, step: int, chunk: int) -> int:
+    return (phase << 48) | (step << 24) | chunk
+
+
+class CollCtx:
+    """What an algorithm sees: ranks of its communicator, a fingerprint, tagged send/recv, the reducer."""
+
+    __slots__ = ("comm", "fp", "rank", "size", "eps", "dtype", "op", "reducer", "chunk_bytes")
+
+    def __init__(self, comm: Communicator, fp: Fingerprint, dtype: DType, op: ReduceOp | None):
+        self.comm, self.fp = comm, fp
+        self.rank, self.size = comm.rank, comm.size
+        self.eps = comm._endpoints
+        self.dtype, self.op = dtype, op
+        self.chunk_bytes = comm._settings.chunk_bytes
+        self.reducer = _reducer(dtype, op) if op is not None else None
+
+    def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
+        return self.eps[peer].send(self.fp, tag, data)
+
+    def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False) -> asyncio.Future:
+        return self.eps[peer].post_recv(self.fp, tag, dst, self.reducer if reduce else None)
+
+    def finish_avg(self, buf: Buf | np.ndarray, divisor: int | None = None) -> None:
+        if self.op == ReduceOp.AVG:
+            data = buf.data if isinstance(buf, Buf) else buf
+            native.divide(data, self.dtype, divisor or self.size)
+
+
+async def gather_fail_fast(aws: list[Awaitable[Any]]) -> None:
+    """Await all; on the first failure cancel the rest and raise it."""
+    if not aws:
+        return
+    if len(aws) == 1:
+        await aws[0]
+        return
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            if t.done() and not t.cancelled():
+                t.exception()  # mark retrieved
+
+
+class Watchdog:
+    """Deadlines for in-flight collectives without a timer per call: one periodic check cancels the task
+    of any collective past its deadline (asyncio.timeout costs several microseconds per call)."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[int, list[Any]] = {}  # id -> [deadline, task, fired]
+        self._handle: asyncio.TimerHandle | None = None
+        self._next = 0
+
+    def enter(self, timeout: float) -> tuple[int, list[Any]]:
+        loop = asyncio.get_running_loop()
+        rec = [loop.time() + timeout, asyncio.current_task(), False]
+        key = self._next
+        self._next += 1
+        self.inflight[key] = rec
+        if self._handle is None:
+            self._handle = loop.call_later(min(0.25, timeout / 8), self._tick, loop, min(0.25, timeout / 8))
+        return key, rec
+
+    def exit(self, key: int) -> None:
+        self.inflight.pop(key, None)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
+        now = loop.time()
+        for rec in self.inflight.values():
+            if not rec[2] and now >= rec[0] and rec[1] is not None:
+                rec[2] = True
+                rec[1].cancel()
+        self._handle = loop.call_later(period, self._tick, loop, period) if self.inflight else None
+
+
+async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[], Coroutine[Any, Any, Any]]
+                         ) -> Any:
+    """Run one collective under the communicator's deadline; on failure, withdraw its receives."""
+    timeout = comm._settings.timeout
+    key, rec = comm._watchdog.enter(timeout)
+    try:
+        return await body()
+    except asyncio.CancelledError:
+        if not rec[2]:
+            _withdraw(comm, fp, HetcclError("cancelled"))
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer)
+                          for ep in comm._endpoints.values()
+                          for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})
+        exc = CollectiveTimeout(
+            f"rank {comm.rank}: {fp.describe()} did not complete within {timeout:.0f} s (HETCCL_TIMEOUT)"
+            + (f"; still waiting for data from rank(s) {waiting}" if waiting else "")
+            + "; a peer is stuck, dead, or issued a different collective")
+        _withdraw(comm, fp, exc)
+        raise exc from None
+    except BaseException as exc:
+        _withdraw(comm, fp, exc if isinstance(exc, Exception) else HetcclError("interrupted"))
+        raise
+    finally:
+        comm._watchdog.exit(key)
+
+
+def _withdraw(comm: Communicator, fp: Fingerprint, exc: BaseException) -> None:
+    for ep in comm._endpoints.values():
+        ep.cancel(fp.comm, fp.seq, exc)

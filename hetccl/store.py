@@ -1,0 +1,218 @@
+"""Rendezvous key-value store: the control plane's meeting point (like torch's TCPStore, but msgpack).
+
+Rank 0 hosts it unless an address is given. Every connection passes the HMAC handshake first; a stranger
+is refused and logged and the store goes on serving the job. Requests: set, get (waits until the key
+exists, with a deadline), add (atomic counter), check. Values are msgpack-able objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from .auth import client_handshake, server_handshake
+from .errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, ProtocolError
+from .netio import read_control, tune_socket, write_control
+
+log = logging.getLogger("hetccl")
+
+MAX_STORE_FRAME = 16 << 20
+
+
+class StoreServer:
+    def __init__(self, host: str, port: int, secret: bytes, handshake_timeout: float = 10.0):
+        self.host, self.port, self.secret = host, port, secret
+        self.handshake_timeout = handshake_timeout
+        self.data: dict[str, Any] = {}
+        self.events: dict[str, asyncio.Event] = {}
+        self.refused = 0
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> int:
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise HetcclError(f"rendezvous store cannot listen on {self.host}:{self.port}: {exc}; "
+                              "pick another port (hetccl run picks a free one)") from None
+        sock.listen(256)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._spawn(self._accept_loop(loop))
+        return self.port
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(self._sock)
+            except (OSError, asyncio.CancelledError):
+                return
+            tune_socket(conn)
+            self._spawn(self._serve(loop, conn, peer))
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: Any) -> None:
+        try:
+            try:
+                await server_handshake(loop, conn, self.secret, "store", self.handshake_timeout)
+            except (AuthenticationError, HetcclError, OSError) as exc:
+                self.refused += 1
+                log.warning("hetccl store: refused connection from %s: %s", peer, exc)
+                return
+            while True:
+                req = await read_control(loop, conn, MAX_STORE_FRAME)
+                reply = await self._handle(req)
+                await write_control(loop, conn, reply, MAX_STORE_FRAME)
+        except (PeerLostError, ProtocolError, OSError):
+            return
+        finally:
+            conn.close()
+
+    def _event(self, key: str) -> asyncio.Event:
+        ev = self.events.get(key)
+        if ev is None:
+            ev = self.events[key] = asyncio.Event()
+        return ev
+
+    async def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        cmd, key = req.get("cmd"), req.get("key")
+        if not isinstance(key, str) and cmd != "ping":
+            return {"err": "key must be a string"}
+        if cmd == "set":
+            self.data[key] = req.get("value")
+            self._event(key).set()
+            return {"ok": True}
+        if cmd == "get":
+            timeout = float(req.get("timeout", 0) or 0)
+            if key not in self.data:
+                try:
+                    await asyncio.wait_for(self._event(key).wait(), max(0.0, min(timeout, 86400.0)))
+                except TimeoutError:
+                    return {"timeout": True}
+            return {"value": self.data[key]}
+        if cmd == "add":
+            delta = req.get("value", 1)
+            if not isinstance(delta, int):
+                return {"err": "add takes an integer"}
+            cur = self.data.get(key, 0)
+            if not isinstance(cur, int):
+                return {"err": f"key {key!r} does not hold an integer"}
+            self.data[key] = cur + delta
+            self._event(key).set()
+            return {"value": cur + delta}
+        if cmd == "check":
+            return {"value": key in self.data}
+        if cmd == "delete":
+            self.data.pop(key, None)
+            self.events.pop(key, None)
+            return {"ok": True}
+        if cmd == "ping":
+            return {"ok": True}
+        return {"err": f"unknown store command {cmd!r}"}
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await t
+
+
+class StoreClient:
+    """One authenticated connection to the store; requests are serialised on it."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float, rank: int = -1):
+        self.host, self.port, self.secret, self.timeout, self.rank = host, port, secret, timeout, rank
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.timeout
+        delay, last = 0.01, None
+        while True:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)),
+                                       max(0.05, deadline - time.monotonic()))
+                tune_socket(sock)
+                await client_handshake(loop, sock, self.secret, "store", {"rank": self.rank},
+                                       min(30.0, self.timeout))
+                self._sock = sock
+                return
+            except AuthenticationError:
+                sock.close()
+                raise
+            except (OSError, TimeoutError, PeerLostError) as exc:
+                sock.close()
+                last = exc
+            if time.monotonic() + delay > deadline:
+                raise CollectiveTimeout(
+                    f"rank {self.rank}: no rendezvous store at {self.host}:{self.port} after "
+                    f"{self.timeout:.0f} s ({last}); is rank 0 running with the same HETCCL_ADDR?")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        if self._sock is None:
+            raise HetcclError("store client is closed")
+        loop = asyncio.get_running_loop()
+        wait = (timeout if timeout is not None else self.timeout) + 10.0
+        async with self._lock:
+            try:
+                await write_control(loop, self._sock, req, MAX_STORE_FRAME, peer=0)
+                reply = await asyncio.wait_for(read_control(loop, self._sock, MAX_STORE_FRAME, peer=0), wait)
+            except TimeoutError:
+                raise CollectiveTimeout(f"rendezvous store did not answer {req.get('cmd')} in {wait:.0f} s") \
+                    from None
+            except PeerLostError:
+                raise PeerLostError("lost the rendezvous store (hosted by rank 0); rank 0 probably died",
+                                    0) from None
+        if "err" in reply:
+            raise HetcclError(f"store: {reply['err']}")
+        return reply
+
+    async def set(self, key: str, value: Any) -> None:
+        await self._request({"cmd": "set", "key": key, "value": value})
+
+    async def get(self, key: str, timeout: float | None = None) -> Any:
+        t = self.timeout if timeout is None else timeout
+        reply = await self._request({"cmd": "get", "key": key, "timeout": t}, t)
+        if reply.get("timeout"):
+            raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key!r}; "
+                                    "a rank never arrived (crashed, or started with another world size?)")
+        return reply["value"]
+
+    async def add(self, key: str, delta: int = 1) -> int:
+        return int((await self._request({"cmd": "add", "key": key, "value": delta}))["value"])
+
+    async def check(self, key: str) -> bool:
+        return bool((await self._request({"cmd": "check", "key": key}))["value"])
+
+    async def delete(self, key: str) -> None:
+        await self._request({"cmd": "delete", "key": key})
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

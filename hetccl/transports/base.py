@@ -1,0 +1,230 @@
+"""The transport interface (version 1) and the receive-matching logic transports share.
+
+A transport moves bytes between two ranks. It is created once per process fabric with a
+`TransportContext`, publishes what peers need to reach it (`listen`), connects to the peers it can reach
+(`connect`) and hands back one `Endpoint` per peer. Endpoints are message-oriented:
+
+- `send(fp, tag, src)` returns once `src` may be reused.
+- `post_recv(fp, tag, dst, reduce)` returns a future completed when the message (comm, seq, tag) has
+  landed in `dst` — or, with `reduce=(dtype, op)`, has been reduced into `dst` (dst = dst OP incoming),
+  which lets a shared-memory transport reduce straight out of the shared segment.
+
+Messages are matched by (communicator id, sequence number, tag), never by arrival order, so several
+collectives may be in flight. Data that arrives before its receive is posted waits in a bounded
+per-peer buffer. Every frame carries the collective's fingerprint; a receive whose fingerprint differs
+from the frame's fails with CollectiveMismatchError.
+
+Versioning: `TRANSPORT_API_VERSION` grows when this contract changes; a plugin declares the version it
+implements in `api_version` and the registry refuses one it does not know (like NCCL's ncclNet_vN).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError
+from ..wire import Fingerprint
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..store import StoreClient
+
+TRANSPORT_API_VERSION = 1
+SUPPORTED_API_VERSIONS = frozenset({1})
+
+
+class Capability(enum.Flag):
+    NONE = 0
+    SAME_HOST_ONLY = enum.auto()  # reaches only ranks on the same host
+    DEVICE_MEMORY = enum.auto()  # endpoints accept device buffers directly
+    NATIVE_COLLECTIVES = enum.auto()  # vendor CCL: runs whole collectives inside an island
+    REDUCE_ON_RECV = enum.auto()  # reduces from its own staging without an extra copy
+
+
+@dataclass
+class TransportContext:
+    rank: int
+    size: int
+    job: str  # job id: every connection of one job carries it
+    host_id: str
+    settings: Settings
+    store: StoreClient
+    bind_host: str
+    local_ranks: list[int] = field(default_factory=list)  # filled after the topology exchange
+
+    @property
+    def secret(self) -> bytes:
+        return self.settings.secret
+
+
+class Transport(abc.ABC):
+    name: ClassVar[str]
+    api_version: ClassVar[int] = TRANSPORT_API_VERSION
+    capabilities: ClassVar[Capability] = Capability.NONE
+    priority: ClassVar[int] = 0  # the highest-priority transport that reaches a peer is chosen
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when usable in this process, else a sentence saying why not (shown by `hetccl info`)."""
+        return None
+
+    def __init__(self, ctx: TransportContext):
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    async def listen(self) -> dict[str, Any]:
+        """Start accepting; return the msgpack-able address record peers need."""
+
+    @abc.abstractmethod
+    def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
+        """Whether this transport can connect to `peer` (whose record came from its listen())."""
+
+    @abc.abstractmethod
+    async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
+        """Connect to every peer in `peers` (rank -> record); all ranks call this collectively."""
+
+    def register_memory(self, buf: Any) -> Any:
+        """Hook for transports that must register memory (verbs); the default needs nothing."""
+        return None
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release sockets, segments and tasks; idempotent."""
+
+
+class Endpoint(abc.ABC):
+    peer: int
+
+    @abc.abstractmethod
+    async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray,
+                  reduce: Callable[[np.ndarray, Any], None] | None = None) -> asyncio.Future: ...
+
+    def cancel(self, comm: int, seq: int, exc: BaseException) -> None:
+        """Drop receives of one collective (after a timeout or error elsewhere)."""
+        self.matcher.cancel(comm, seq, exc)
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    matcher: Matcher
+
+
+class RecvRequest:
+    __slots__ = ("fp", "dst", "reduce", "fut")
+
+    def __init__(self, fp: Fingerprint, dst: np.ndarray, reduce: Any, fut: asyncio.Future):
+        self.fp, self.dst, self.reduce, self.fut = fp, dst, reduce, fut
+
+    def deliver(self, data: Any) -> None:
+        """Land `data` (bytes of the message) in dst: copy or reduce."""
+        if self.reduce is None:
+            from ..native import copy
+
+            copy(self.dst, data)
+        else:
+            self.reduce(self.dst, data)
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+
+def _mismatch(me: int, peer: int, want: Fingerprint, got: Fingerprint) -> CollectiveMismatchError:
+    return CollectiveMismatchError(
+        f"collective mismatch between rank {me} and rank {peer}: rank {me} runs {want.describe()} "
+        f"but rank {peer} sent data for {got.describe()}; every rank must issue the same collectives "
+        "in the same order with the same dtype, count, root and reduce op")
+
+
+class Matcher:
+    """Posted receives and early ("unexpected") messages of one peer, keyed by (comm, seq, tag)."""
+
+    def __init__(self, me: int, peer: int, cap_bytes: int):
+        self.me, self.peer, self.cap = me, peer, cap_bytes
+        self.posted: dict[tuple[int, int, int], RecvRequest] = {}
+        self.early: dict[tuple[int, int, int], tuple[Fingerprint, Any]] = {}
+        self.early_bytes = 0
+        self.error: BaseException | None = None
+        self._space = asyncio.Event()
+
+    def post(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            fut.set_exception(self.error)
+            return fut
+        key = (fp.comm, fp.seq, tag)
+        early = self.early.pop(key, None)
+        req = RecvRequest(fp, dst, reduce, fut)
+        if early is None:
+            self.posted[key] = req
+            return fut
+        got, data = early
+        self.early_bytes -= len(data)
+        self._space.set()
+        if got != fp:
+            fut.set_exception(_mismatch(self.me, self.peer, fp, got))
+        elif len(data) != len(dst):
+            fut.set_exception(CollectiveMismatchError(
+                f"rank {self.peer} sent {len(data)} bytes for {fp.describe()} tag {tag}, rank {self.me} "
+                f"expected {len(dst)}"))
+        else:
+            req.deliver(data)
+        return fut
+
+    def take(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | None:
+        """The posted receive for an arriving frame, or None. A disagreeing receive fails at once and
+        None is returned (the caller then drains the payload)."""
+        req = self.posted.pop((fp.comm, fp.seq, tag), None)
+        if req is None:
+            return None
+        if req.fp != fp:
+            req.fut.set_exception(_mismatch(self.me, self.peer, req.fp, fp))
+            self.cancel(fp.comm, fp.seq, req.fut.exception())
+            return None
+        if nbytes != len(req.dst):
+            req.fut.set_exception(CollectiveMismatchError(
+                f"rank {self.peer} sent {nbytes} bytes for {fp.describe()} tag {tag}, rank {self.me} "
+                f"expected {len(req.dst)}"))
+            return None
+        return req
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.early_bytes + nbytes <= self.cap or not self.early
+
+    def stash(self, fp: Fingerprint, tag: int, data: Any) -> None:
+        self.early[(fp.comm, fp.seq, tag)] = (fp, data)
+        self.early_bytes += len(data)
+        # a receive already posted for the same collective but with another fingerprint is a mismatch
+        for (comm, seq, _t), req in list(self.posted.items()):
+            if comm == fp.comm and seq == fp.seq and req.fp != fp:
+                self.cancel(comm, seq, _mismatch(self.me, self.peer, req.fp, fp))
+                break
+
+    async def wait_room(self, nbytes: int, timeout: float) -> None:
+        while not self.has_room(nbytes):
+            self._space.clear()
+            await asyncio.wait_for(self._space.wait(), timeout)
+
+    def cancel(self, comm: int, seq: int, exc: BaseException | None) -> None:
+        for key in [k for k in self.posted if k[0] == comm and k[1] == seq]:
+            req = self.posted.pop(key)
+            if not req.fut.done() and exc is not None:
+                req.fut.set_exception(exc)
+            elif not req.fut.done():
+                req.fut.cancel()
+
+    def fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        posted, self.posted = self.posted, {}
+        for req in posted.values():
+            if not req.fut.done():
+                req.fut.set_exception(exc)
+        self._space.set()

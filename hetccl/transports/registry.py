@@ -1,0 +1,81 @@
+"""Transport registry: built-ins plus plugins from the entry-point group `hetccl.transports`.
+
+A plugin is a `Transport` subclass exposed as `name = "module:Class"` in that group. The registry checks
+the interface version it declares, and `available()` reports each transport with the reason it cannot be
+used here, for `hetccl info`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import entry_points
+
+from ..errors import ConfigError
+from .base import SUPPORTED_API_VERSIONS, Transport
+
+log = logging.getLogger("hetccl")
+
+BUILTIN = {
+    "tcp": "hetccl.transports.tcp:TcpTransport",
+    "shm": "hetccl.transports.shm:ShmTransport",
+}
+
+
+def _load(spec: str) -> type[Transport]:
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def discover() -> dict[str, str]:
+    """name -> 'module:Class' for built-ins and installed plugins (plugins cannot shadow built-ins)."""
+    found = dict(BUILTIN)
+    try:
+        for ep in entry_points(group="hetccl.transports"):
+            found.setdefault(ep.name, ep.value)
+    except Exception as exc:  # a broken distribution must not break every job
+        log.warning("hetccl: reading entry points failed: %s", exc)
+    return found
+
+
+def load(name: str) -> type[Transport]:
+    specs = discover()
+    if name not in specs:
+        raise ConfigError(f"unknown transport {name!r}; known: {', '.join(sorted(specs))}")
+    try:
+        cls = _load(specs[name])
+    except Exception as exc:
+        raise ConfigError(f"transport {name!r} ({specs[name]}) failed to load: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise ConfigError(f"transport {name!r} ({specs[name]}) is not a hetccl Transport subclass")
+    if cls.api_version not in SUPPORTED_API_VERSIONS:
+        raise ConfigError(f"transport {name!r} implements interface v{cls.api_version}; this hetccl speaks "
+                          f"{sorted(SUPPORTED_API_VERSIONS)}; upgrade one of them")
+    return cls
+
+
+def available() -> dict[str, str | None]:
+    """name -> None when usable, else why not."""
+    out: dict[str, str | None] = {}
+    for name in discover():
+        try:
+            out[name] = load(name).unavailable_reason()
+        except ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def selected(wanted: list[str] | None) -> list[type[Transport]]:
+    """Usable transport classes, restricted to `wanted` (HETCCL_TRANSPORTS) when given, best first."""
+    names = wanted if wanted else list(discover())
+    classes = []
+    for name in names:
+        cls = load(name)
+        reason = cls.unavailable_reason()
+        if reason is not None:
+            if wanted:
+                raise ConfigError(f"HETCCL_TRANSPORTS asks for {name!r}, which is unavailable: {reason}")
+            log.debug("hetccl: transport %s unavailable: %s", name, reason)
+            continue
+        classes.append(cls)
+    return sorted(classes, key=lambda c: -c.priority)

@@ -1,0 +1,509 @@
+"""Shared-memory transport for ranks on one host.
+
+Layout: every rank creates one segment in /dev/shm holding its *inbound* rings, one per local peer. A ring
+is single-producer single-consumer: `head` (written by the sender) and `tail` (written by the receiver) on
+their own cache lines, then S slots; a slot is a header page (the 48-byte data header plus fragment
+offset/length/payload offset) and a payload area. A message longer than a slot is cut into fragments that
+follow each other in the ring (a per-ring send queue keeps messages whole).
+
+- Receives reduce or copy straight out of the slot into the destination (no intermediate copy); the
+  payload sits at the same offset modulo 4096 as the sender's source, which keeps copies off the slow
+  4K-aliasing path when both sides use similarly aligned buffers.
+- Waiting: a receiver first spins briefly in C on the ring counters (less, and with sched_yield, when
+  there are more local ranks than cores), then raises its `waiting` flag and sleeps in the event loop on a
+  Unix-socket doorbell; a producer or consumer that moves a counter rings the other side's doorbell only
+  when that flag is up (Dekker-style, with seq_cst fences), so a busy pipeline pays no syscalls.
+- The doorbell sockets are authenticated (HMAC, like every data connection) and double as liveness: a
+  peer that dies closes them and every pending receive from it fails with PeerLostError.
+- Segments are unlinked as soon as every local peer has mapped them, so nothing is left in /dev/shm after
+  a crash; close() unlinks again in case a peer never arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import struct
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .. import native
+from ..auth import client_handshake, server_handshake
+from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, TransportError
+from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
+from .base import Capability, Endpoint, Matcher, Transport, TransportContext
+
+log = logging.getLogger("hetccl")
+ffi, lib = native.ffi, native.lib
+
+PAGE = 4096
+SEG_HEADER = PAGE  # waiting flag at offset 0
+RING_HEADER = PAGE  # head at 0, tail at 128
+FRAG = struct.Struct("<QII")  # fragment offset, fragment length, payload offset in the slot
+SLOT_HDR = DATA_HEADER.size + FRAG.size
+
+
+def _slot_bytes() -> int:
+    from ..config import parse_size
+
+    return max(PAGE, parse_size(os.environ.get("HETCCL_SHM_SLOT_BYTES", "256K")))
+
+
+def _num_slots() -> int:
+    return max(2, int(os.environ.get("HETCCL_SHM_SLOTS", "16")))
+
+
+class _Ring:
+    """One SPSC ring as seen by one side."""
+
+    __slots__ = ("base", "head", "tail", "slots", "slot_bytes", "stride", "mem", "peer", "cur")
+
+    def __init__(self, mem: np.ndarray, cbase: Any, offset: int, slots: int, slot_bytes: int, peer: int):
+        self.mem = mem
+        self.base = offset
+        self.head = ffi.cast("uint64_t *", cbase + offset)
+        self.tail = ffi.cast("uint64_t *", cbase + offset + 128)
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.stride = PAGE + slot_bytes + PAGE
+        self.peer = peer
+        self.cur: list[Any] | None = None  # message being received: [req-or-None, early, fp, tag, total]
+
+    @staticmethod
+    def size(slots: int, slot_bytes: int) -> int:
+        return RING_HEADER + slots * (PAGE + slot_bytes + PAGE)
+
+    def slot(self, index: int) -> tuple[int, int]:
+        """(header offset, payload area offset) of slot index (mod slots)."""
+        s = self.base + RING_HEADER + (index % self.slots) * self.stride
+        return s, s + PAGE
+
+
+class _Segment:
+    def __init__(self, name: str, size: int, create: bool):
+        self.name, self.size = name, size
+        path = "/dev/shm/" + name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise TransportError(f"shared segment {path} has size {os.fstat(fd).st_size}, expected {size}; "
+                                     "do all local ranks use the same HETCCL_SHM_* settings?")
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.mem = np.frombuffer(self.mm, dtype=np.uint8)
+        self.cbase = ffi.cast("char *", ffi.from_buffer("char[]", self.mem, True))
+        if create:
+            self.mem[:] = 0  # fault the pages in now, not on the hot path
+        self.waiting = ffi.cast("uint64_t *", self.cbase)
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/dev/shm/" + name)
+
+
+class _ShmRecv:
+    """Awaitable receive: spins briefly in C before sleeping on the future (small-message latency)."""
+
+    __slots__ = ("fut", "tr")
+
+    def __init__(self, fut: asyncio.Future, tr: ShmTransport):
+        self.fut, self.tr = fut, tr
+
+    def __await__(self) -> Any:
+        if not self.fut.done():
+            self.tr.spin_until(self.fut)
+        if not self.fut.done():
+            self.tr.kick()
+        return (yield from self.fut.__await__())
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+
+class ShmEndpoint(Endpoint):
+    def __init__(self, tr: ShmTransport, peer: int, out_ring: _Ring, peer_waiting: Any, bell: socket.socket):
+        self.tr, self.peer, self.out = tr, peer, out_ring
+        self.peer_waiting = peer_waiting
+        self.bell = bell
+        self.matcher = Matcher(tr.ctx.rank, peer, tr.ctx.settings.unexpected_bytes)
+        self.sendq: deque[list[Any]] = deque()  # [hdr bytes, src, offset, future]
+
+    # -- sending ---------------------------------------------------------------------------------------
+    def ring_bell(self) -> None:
+        if lib.hccl_fetch_add(self.peer_waiting, 0):
+            with contextlib.suppress(BlockingIOError, OSError):
+                self.bell.send(b"\x01")
+
+    def _push(self, item: list[Any]) -> bool:
+        """Copy as many fragments of item as fit; True when the message is fully in the ring."""
+        hdr, src, off = item[0], item[1], item[2]
+        ring, cbase = self.out, self.tr.peer_cbase[self.peer]
+        mm = self.tr.peer_segs[self.peer].mm
+        n = len(src)
+        src_addr = src.ctypes.data if n else 0
+        pushed = False
+        while True:
+            head = lib.hccl_load_acquire(ring.head)
+            if head - lib.hccl_load_acquire(ring.tail) >= ring.slots:
+                break
+            hoff, poff = ring.slot(head)
+            flen = min(ring.slot_bytes, n - off)
+            pay = poff + (src_addr + off) % PAGE
+            mm[hoff: hoff + DATA_HEADER.size] = hdr
+            FRAG.pack_into(mm, hoff + DATA_HEADER.size, off, flen, pay - poff)
+            if flen:
+                lib.hccl_copy(cbase + pay, ffi.from_buffer("char[]", src[off: off + flen]), flen)
+            lib.hccl_store_release(ring.head, head + 1)
+            pushed = True
+            off += flen
+            if off >= n:
+                item[2] = off
+                self.ring_bell()
+                return True
+        item[2] = off
+        if pushed:
+            self.ring_bell()
+        return False
+
+    async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
+        if self.matcher.error is not None:
+            raise self.matcher.error
+        item = [pack_data_header(fp, tag, len(src)), src, 0, None]
+        if not self.sendq and self._push(item):
+            return
+        item[3] = asyncio.get_running_loop().create_future()
+        self.sendq.append(item)
+        self.tr.kick()
+        await item[3]
+
+    def pump_sends(self) -> bool:
+        progressed = False
+        while self.sendq:
+            item = self.sendq[0]
+            before = item[2]
+            done = self._push(item)
+            progressed |= item[2] != before or done
+            if not done:
+                break
+            self.sendq.popleft()
+            if not item[3].done():
+                item[3].set_result(None)
+        return progressed
+
+    # -- receiving -------------------------------------------------------------------------------------
+    def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any = None) -> Any:
+        fut = self.matcher.post(fp, tag, dst, reduce)
+        if fut.done():
+            return fut
+        self.tr.progress_in(self.peer)
+        return _ShmRecv(fut, self.tr)
+
+    def fail(self, exc: BaseException) -> None:
+        self.matcher.fail_all(exc)
+        while self.sendq:
+            item = self.sendq.popleft()
+            if item[3] is not None and not item[3].done():
+                item[3].set_exception(exc)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.tr.loop.remove_reader(self.bell.fileno())
+        self.bell.close()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    capabilities = Capability.SAME_HOST_ONLY | Capability.REDUCE_ON_RECV
+    priority = 100
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+            return "/dev/shm is missing or not writable"
+        if not hasattr(socket, "AF_UNIX"):
+            return "no Unix sockets on this platform"
+        return None
+
+    def __init__(self, ctx: TransportContext):
+        super().__init__(ctx)
+        self.loop = asyncio.get_event_loop()
+        self.slots, self.slot_bytes = _num_slots(), _slot_bytes()
+        self.seg: _Segment | None = None
+        self.seg_name = ""
+        self.in_rings: dict[int, _Ring] = {}
+        self.eps: dict[int, ShmEndpoint] = {}
+        self.peer_segs: dict[int, _Segment] = {}
+        self.peer_mem: dict[int, np.ndarray] = {}
+        self.peer_cbase: dict[int, Any] = {}
+        self._listener: socket.socket | None = None
+        self._incoming: dict[int, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task | None = None
+        self.refused = 0
+        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._ncpu = ncpu
+        self.spin_ns, self.yield_ns = 50_000, 0
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    async def listen(self) -> dict[str, Any]:
+        self.loop = asyncio.get_running_loop()
+        name = f"\0hetccl-{self.ctx.job}-{self.ctx.rank}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(name)
+        sock.listen(256)
+        sock.setblocking(False)
+        self._listener = sock
+        self._spawn(self._accept_loop())
+        return {"uds": name[1:], "slots": self.slots, "slot_bytes": self.slot_bytes}
+
+    def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
+        return same_host and peer_record.get("slots") == self.slots and \
+            peer_record.get("slot_bytes") == self.slot_bytes
+
+    def _spawn(self, coro: Any) -> None:
+        t = self.loop.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = await self.loop.sock_accept(self._listener)
+            except (OSError, asyncio.CancelledError):
+                return
+            conn.setblocking(False)
+            self._spawn(self._accept_one(conn))
+
+    async def _accept_one(self, conn: socket.socket) -> None:
+        ctx = self.ctx
+        try:
+            meta = await server_handshake(self.loop, conn, ctx.secret, "shm", min(30.0, ctx.settings.timeout))
+            peer = meta.get("rank")
+            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
+                raise AuthenticationError(f"doorbell claims job {meta.get('job')!r} rank {peer!r}")
+            fut = self._incoming.setdefault(peer, self.loop.create_future())
+            if fut.done():
+                raise AuthenticationError(f"second doorbell claiming rank {peer}")
+            fut.set_result(conn)
+        except (HetcclError, OSError) as exc:
+            self.refused += 1
+            log.warning("hetccl shm: rank %d refused a doorbell connection: %s", ctx.rank, exc)
+            conn.close()
+
+    async def _doorbell(self, peer: int, record: dict[str, Any]) -> socket.socket:
+        ctx = self.ctx
+        if peer < ctx.rank:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(self.loop.sock_connect(sock, "\0" + record["uds"]), ctx.settings.timeout)
+                await client_handshake(self.loop, sock, ctx.secret, "shm", {"rank": ctx.rank, "job": ctx.job},
+                                       min(30.0, ctx.settings.timeout))
+            except (OSError, TimeoutError, PeerLostError) as exc:
+                sock.close()
+                raise PeerLostError(f"rank {ctx.rank}: shared-memory doorbell to rank {peer} failed: {exc}",
+                                    peer) from None
+            return sock
+        fut = self._incoming.setdefault(peer, self.loop.create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), ctx.settings.timeout)
+        except TimeoutError:
+            raise CollectiveTimeout(f"rank {ctx.rank}: rank {peer} never rang the shared-memory doorbell") \
+                from None
+
+    async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
+        ctx = self.ctx
+        local = sorted(ctx.local_ranks)
+        oversubscribed = len(local) > self._ncpu
+        self.spin_ns, self.yield_ns = (2_000, 100_000) if oversubscribed else (50_000, 0)
+        if not peers:
+            return {}
+        order = sorted(peers)
+        ring_size = _Ring.size(self.slots, self.slot_bytes)
+        size = SEG_HEADER + len(order) * ring_size
+        self.seg_name = f"hetccl-{ctx.job}-{ctx.rank}"
+        self.seg = _Segment(self.seg_name, size, create=True)
+        for i, p in enumerate(order):
+            self.in_rings[p] = _Ring(self.seg.mem, self.seg.cbase, SEG_HEADER + i * ring_size, self.slots,
+                                     self.slot_bytes, p)
+        store, key = ctx.store, f"{ctx.job}/shm"
+        await store.set(f"{key}/created/{ctx.rank}", 1)
+        for p in order:
+            await store.get(f"{key}/created/{p}")
+            # my outbound ring to p lives in p's segment, at my index among p's peers
+            their_peers = sorted(set(local) - {p})
+            seg = _Segment(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size, create=False)
+            self.peer_segs[p], self.peer_mem[p], self.peer_cbase[p] = seg, seg.mem, seg.cbase
+        await store.set(f"{key}/mapped/{ctx.rank}", 1)
+        for p in order:
+            await store.get(f"{key}/mapped/{p}")
+        _Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
+        bells = await asyncio.gather(*(self._doorbell(p, peers[p]) for p in order))
+        for p, bell in zip(order, bells, strict=True):
+            their_peers = sorted(set(local) - {p})
+            seg = self.peer_segs[p]
+            out = _Ring(seg.mem, seg.cbase, SEG_HEADER + their_peers.index(ctx.rank) * ring_size, self.slots,
+                        self.slot_bytes, p)
+            ep = ShmEndpoint(self, p, out, seg.waiting, bell)
+            self.eps[p] = ep
+            self.loop.add_reader(bell.fileno(), self._on_bell, p)
+        return dict(self.eps)
+
+    # -- progress --------------------------------------------------------------------------------------
+    def _on_bell(self, peer: int) -> None:
+        ep = self.eps.get(peer)
+        if ep is None:
+            return
+        try:
+            data = ep.bell.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.loop.remove_reader(ep.bell.fileno())
+            self.progress_in(peer)  # whatever it sent before dying is still valid
+            ep.fail(PeerLostError(f"rank {self.ctx.rank} lost rank {peer} (shared-memory peer exited)", peer))
+        self._wake.set()
+
+    def progress_in(self, peer: int) -> bool:
+        """Consume frames of the ring from `peer`; True when anything moved."""
+        ring = self.in_rings[peer]
+        ep = self.eps.get(peer)
+        if ep is None:
+            return False
+        m, mem, cbase = ep.matcher, ring.mem, self.seg.cbase  # type: ignore[union-attr]
+        moved = False
+        while True:
+            tail = lib.hccl_load_acquire(ring.tail)
+            if lib.hccl_load_acquire(ring.head) == tail:
+                break
+            hoff, poff = ring.slot(tail)
+            cur = ring.cur
+            foff, flen, pay = FRAG.unpack_from(mem, hoff + DATA_HEADER.size)
+            if cur is None:
+                fp, tag, total = unpack_data_header(bytes(mem[hoff: hoff + DATA_HEADER.size]), 1 << 62)
+                req = m.take(fp, tag, total)
+                early = None
+                if req is None and not ((fp.comm, fp.seq, tag) in m.posted or m.error is not None):
+                    if not m.has_room(total):
+                        break  # leave it in the ring: the sender waits (flow control)
+                    early = np.empty(total, np.uint8)
+                cur = ring.cur = [req, early, fp, tag, total]
+            req, early = cur[0], cur[1]
+            if flen:
+                payload = mem[poff + pay: poff + pay + flen]
+                if req is not None:
+                    target = req.dst[foff: foff + flen]
+                    if req.reduce is None:
+                        lib.hccl_copy(ffi.from_buffer("char[]", target, True), cbase + poff + pay, flen)
+                    else:
+                        req.reduce(target, payload)
+                elif early is not None:
+                    early[foff: foff + flen] = payload
+            lib.hccl_store_release(ring.tail, tail + 1)
+            moved = True
+            if foff + flen >= cur[4]:
+                ring.cur = None
+                if req is not None:
+                    if not req.fut.done():
+                        req.fut.set_result(None)
+                elif early is not None:
+                    r2 = m.take(cur[2], cur[3], cur[4])
+                    if r2 is not None:
+                        r2.deliver(early)
+                    else:
+                        m.stash(cur[2], cur[3], early)
+        if moved:
+            ep.ring_bell()  # the sender may be waiting for space
+        return moved
+
+    def progress(self) -> bool:
+        moved = False
+        for p in self.in_rings:
+            moved |= self.progress_in(p)
+        for ep in self.eps.values():
+            if ep.sendq:
+                moved |= ep.pump_sends()
+        return moved
+
+    def _has_work(self) -> bool:
+        return any(ep.sendq or ep.matcher.posted for ep in self.eps.values()) or \
+            any(r.cur is not None for r in self.in_rings.values())
+
+    def _watch(self) -> tuple[Any, Any, int]:
+        addrs, vals = [], []
+        for p, ring in self.in_rings.items():
+            addrs.append(ring.head)
+            vals.append(lib.hccl_load_acquire(ring.head))
+            ep = self.eps.get(p)
+            if ep is not None and ep.sendq:
+                addrs.append(ep.out.tail)
+                vals.append(lib.hccl_load_acquire(ep.out.tail))
+        return ffi.new("uint64_t *[]", addrs), ffi.new("uint64_t[]", vals), len(addrs)
+
+    def spin_until(self, fut: asyncio.Future) -> None:
+        """Poll, spinning in C between polls, until fut is done or the spin budget is spent."""
+        deadline = lib.hccl_now_ns() + self.spin_ns + self.yield_ns
+        while not fut.done():
+            if self.progress():
+                continue
+            now = lib.hccl_now_ns()
+            if now >= deadline:
+                return
+            addrs, vals, n = self._watch()
+            spin = min(self.spin_ns, deadline - now)
+            lib.hccl_wait_any_change(addrs, vals, n, spin, max(0, deadline - now - spin))
+
+    def kick(self) -> None:
+        """Make sure the poller runs while there is pending work."""
+        if self._poller is None or self._poller.done():
+            self._poller = self.loop.create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        """Progress pending work without spinning (the awaiting receive spins, see spin_until): poll while
+        things move, else raise the waiting flag and sleep until a doorbell rings."""
+        waiting = self.seg.waiting if self.seg is not None else None
+        while self._has_work():
+            if self.progress():
+                await asyncio.sleep(0)
+                continue
+            self._wake.clear()
+            if waiting is not None:
+                lib.hccl_store_release(waiting, 1)
+                lib.hccl_fetch_add(waiting, 0)  # full fence before the re-check (pairs with ring_bell)
+                if self.progress():
+                    lib.hccl_store_release(waiting, 0)
+                    continue
+            with contextlib.suppress(TimeoutError):
+                # the doorbell wakes us; the timeout is only a safety net against a lost wake-up
+                await asyncio.wait_for(self._wake.wait(), 0.05)
+            if waiting is not None:
+                lib.hccl_store_release(waiting, 0)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for t in list(self._tasks):
+            t.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
+        for ep in self.eps.values():
+            ep.fail(PeerLostError("communicator closed", ep.peer))
+            await ep.close()
+        self.eps.clear()
+        if self.seg_name:
+            _Segment.unlink(self.seg_name)

@@ -1,0 +1,231 @@
+"""TCP transport: one authenticated connection per peer, asyncio (uvloop) non-blocking sockets.
+
+Receives land straight in the destination buffer (`recv_into` on a memoryview of it) when the receive is
+posted; reductions go through one reusable scratch buffer per connection; early messages wait in a
+bounded per-peer buffer, beyond which the reader stops reading (TCP flow control pushes back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Any
+
+import numpy as np
+
+from ..auth import client_handshake, server_handshake
+from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, ProtocolError
+from ..netio import recv_into_exact, send_all, tune_socket
+from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
+from .base import Capability, Endpoint, Matcher, Transport, TransportContext
+
+log = logging.getLogger("hetccl")
+
+
+class TcpEndpoint(Endpoint):
+    def __init__(self, transport: TcpTransport, peer: int, sock: socket.socket):
+        self.transport, self.peer, self.sock = transport, peer, sock
+        self.loop = asyncio.get_running_loop()
+        settings = transport.ctx.settings
+        self.matcher = Matcher(transport.ctx.rank, peer, settings.unexpected_bytes)
+        self.max_payload = max(settings.unexpected_bytes, 1 << 31)
+        self.timeout = settings.timeout
+        self._send_lock = asyncio.Lock()
+        self._scratch = np.empty(0, np.uint8)
+        self._closed = False
+        self._reader = self.loop.create_task(self._read_loop())
+
+    async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
+        if self.matcher.error is not None:
+            raise self.matcher.error
+        hdr = pack_data_header(fp, tag, len(src))
+        async with self._send_lock:
+            await send_all(self.loop, self.sock, [hdr, src] if len(src) else [hdr], self.peer)
+
+    def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any = None) -> asyncio.Future:
+        return self.matcher.post(fp, tag, dst, reduce)
+
+    def _scratch_for(self, n: int) -> np.ndarray:
+        if len(self._scratch) < n:
+            self._scratch = np.empty(max(n, 1 << 16), np.uint8)
+        return self._scratch[:n]
+
+    async def _read_loop(self) -> None:
+        hdr = bytearray(DATA_HEADER.size)
+        hdr_mv = memoryview(hdr)
+        loop, sock, peer, m = self.loop, self.sock, self.peer, self.matcher
+        try:
+            while True:
+                await recv_into_exact(loop, sock, hdr_mv, peer)
+                fp, tag, nbytes = unpack_data_header(hdr, self.max_payload)
+                req = m.take(fp, tag, nbytes)
+                if req is not None and req.reduce is None:
+                    await recv_into_exact(loop, sock, memoryview(req.dst), peer)
+                    if not req.fut.done():
+                        req.fut.set_result(None)
+                elif req is not None:
+                    scratch = self._scratch_for(nbytes)
+                    await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                    req.reduce(req.dst, scratch)
+                    if not req.fut.done():
+                        req.fut.set_result(None)
+                elif (fp.comm, fp.seq, tag) in m.posted or m.error is not None:
+                    await recv_into_exact(loop, sock, memoryview(self._scratch_for(nbytes)), peer)
+                else:
+                    if not m.has_room(nbytes):
+                        try:
+                            await m.wait_room(nbytes, self.timeout)
+                        except TimeoutError:
+                            raise CollectiveTimeout(
+                                f"rank {m.me}: {nbytes} bytes from rank {peer} for {fp.describe()} waited "
+                                f"{self.timeout:.0f} s for a matching receive") from None
+                        req = m.take(fp, tag, nbytes)
+                        if req is not None:
+                            scratch = self._scratch_for(nbytes)
+                            await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                            req.deliver(scratch)
+                            continue
+                    data = np.empty(nbytes, np.uint8)
+                    await recv_into_exact(loop, sock, memoryview(data), peer)
+                    req = m.take(fp, tag, nbytes)  # posted while we were reading?
+                    if req is not None:
+                        req.deliver(data)
+                    else:
+                        m.stash(fp, tag, data)
+        except asyncio.CancelledError:
+            m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
+            raise
+        except (PeerLostError, ProtocolError, HetcclError) as exc:
+            if not self._closed:
+                if isinstance(exc, PeerLostError):
+                    exc = PeerLostError(f"rank {m.me} lost rank {peer}: {exc}", peer)
+                log.debug("hetccl tcp: rank %d -> %d reader ends: %s", m.me, peer, exc)
+            m.fail_all(exc if not self._closed else PeerLostError("communicator closed", peer))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        with contextlib.suppress(BaseException):
+            await self._reader
+        self.sock.close()
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+    capabilities = Capability.NONE
+    priority = 10
+
+    def __init__(self, ctx: TransportContext):
+        super().__init__(ctx)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._incoming: dict[int, asyncio.Future] = {}
+        self._endpoints: list[TcpEndpoint] = []
+        self._handshakes: set[asyncio.Task] = set()
+        self.refused = 0
+
+    async def listen(self) -> dict[str, Any]:
+        host = self.ctx.bind_host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._listener = sock
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        return {"host": host, "port": sock.getsockname()[1]}
+
+    def _incoming_future(self, peer: int) -> asyncio.Future:
+        fut = self._incoming.get(peer)
+        if fut is None:
+            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._listener)
+            except (OSError, asyncio.CancelledError):
+                return
+            tune_socket(conn)
+            t = loop.create_task(self._accept_one(loop, conn, addr))
+            self._handshakes.add(t)
+            t.add_done_callback(self._handshakes.discard)
+
+    async def _accept_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
+        ctx = self.ctx
+        try:
+            meta = await server_handshake(loop, conn, ctx.secret, "data", min(30.0, ctx.settings.timeout))
+            peer = meta.get("rank")
+            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
+                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
+            fut = self._incoming_future(peer)
+            if fut.done():
+                raise AuthenticationError(f"second connection claiming rank {peer}")
+            fut.set_result(conn)
+        except (AuthenticationError, HetcclError, OSError) as exc:
+            self.refused += 1
+            log.warning("hetccl tcp: rank %d refused a data connection from %s: %s", ctx.rank, addr, exc)
+            conn.close()
+
+    def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
+        return "port" in peer_record
+
+    async def _dial(self, peer: int, record: dict[str, Any]) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        ctx = self.ctx
+        host, port = record["host"], record["port"]
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ctx.settings.timeout)
+            tune_socket(sock)
+            await client_handshake(loop, sock, ctx.secret, "data", {"rank": ctx.rank, "job": ctx.job},
+                                   min(30.0, ctx.settings.timeout))
+        except TimeoutError:
+            sock.close()
+            raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {host}:{port} timed out") \
+                from None
+        except (OSError, PeerLostError) as exc:
+            sock.close()
+            raise PeerLostError(f"rank {ctx.rank}: cannot connect to rank {peer} at {host}:{port}: {exc}",
+                                peer) from None
+        return sock
+
+    async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
+        me = self.ctx.rank
+
+        async def one(peer: int, record: dict[str, Any]) -> tuple[int, TcpEndpoint]:
+            if peer < me:  # the higher rank dials
+                sock = await self._dial(peer, record)
+            else:
+                try:
+                    sock = await asyncio.wait_for(asyncio.shield(self._incoming_future(peer)),
+                                                  self.ctx.settings.timeout)
+                except TimeoutError:
+                    raise CollectiveTimeout(f"rank {me}: rank {peer} never connected (TCP) within "
+                                            f"{self.ctx.settings.timeout:.0f} s") from None
+            ep = TcpEndpoint(self, peer, sock)
+            self._endpoints.append(ep)
+            return peer, ep
+
+        pairs = await asyncio.gather(*(one(p, r) for p, r in peers.items()))
+        return dict(pairs)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for t in [self._accept_task, *self._handshakes]:
+            if t is not None:
+                t.cancel()
+        for ep in self._endpoints:
+            await ep.close()
+        self._endpoints.clear()

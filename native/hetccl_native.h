@@ -1,0 +1,74 @@
+/* hetccl native kernels: element-wise reductions and shared-memory synchronisation.
+ *
+ * This file is also the cffi cdef (native/build.py), so it must stay cdef-parseable:
+ * plain declarations, comments and `#define NAME <integer>` only (no include guards, no
+ * includes, no other macros). hetccl_native.c includes <stddef.h>/<stdint.h> before it.
+ */
+
+/* dtype codes (mirrored by hetccl.dtypes.DType) */
+#define HCCL_INT8 0
+#define HCCL_UINT8 1
+#define HCCL_INT32 2
+#define HCCL_INT64 3
+#define HCCL_FLOAT16 4
+#define HCCL_BFLOAT16 5
+#define HCCL_FLOAT32 6
+#define HCCL_FLOAT64 7
+#define HCCL_NUM_DTYPES 8
+
+/* reduce op codes (avg is done by the caller as sum followed by hccl_div) */
+#define HCCL_SUM 0
+#define HCCL_PROD 1
+#define HCCL_MIN 2
+#define HCCL_MAX 3
+#define HCCL_NUM_OPS 4
+
+/* Semantics shared by the reduce functions:
+ *  - integers: sum and prod wrap around (two's complement, like numpy); min/max are the usual ones.
+ *  - float32/float64: IEEE arithmetic in the dtype itself.
+ *  - float16/bfloat16: both operands are widened to float32, the op is done in float32 and the
+ *    result is rounded once back (round-to-nearest-even; NaN stays a (quiet) NaN; overflow gives inf).
+ *  - min/max on floats propagate NaN (numpy.minimum/numpy.maximum semantics): if either operand is
+ *    NaN the result is NaN. When the operands compare equal (e.g. -0.0 and +0.0) the result is b.
+ *  - count == 0 is a no-op (pointers are not touched and may be NULL).
+ */
+
+/* dst[i] = dst[i] OP src[i]. Returns 0, or -1 for an unknown dtype/op.
+ * dst and src never overlap partially (they may be equal). */
+int hccl_reduce(void *dst, const void *src, size_t count, int dtype, int op);
+/* dst[i] = a[i] OP b[i]; dst may equal a or b. Returns 0, or -1 for an unknown dtype/op. */
+int hccl_reduce3(void *dst, const void *a, const void *b, size_t count, int dtype, int op);
+/* dst[i] = a[i] OP b[i] and dst2[i] = the same value (fused: write the result to two places, e.g. the
+ * user's buffer and an outgoing shared-memory slot). dst2 may be NULL (then this is hccl_reduce3).
+ * Returns 0, or -1 for an unknown dtype/op. */
+int hccl_reduce3_dup(void *dst, void *dst2, const void *a, const void *b, size_t count, int dtype, int op);
+/* In-place divide (for avg). Floats: x = x / divisor (float32 divides by (float)divisor, float64 by
+ * (double)divisor, float16/bfloat16 are computed in float32 and rounded once). Integers: C truncating
+ * division (toward zero) done in int64, then wrapped to the dtype (so INT_MIN / -1 wraps to INT_MIN).
+ * Returns 0, or -1 for an unknown dtype or divisor == 0 (nothing is written then). */
+int hccl_div(void *dst, size_t count, int dtype, int64_t divisor);
+/* plain copy (memcpy; cffi releases the GIL around it). dst and src must not overlap. */
+void hccl_copy(void *dst, const void *src, size_t nbytes);
+/* element size in bytes of a dtype code, or 0 if unknown */
+size_t hccl_dtype_size(int dtype);
+
+/* Shared-memory synchronisation on 64-bit counters living in a MAP_SHARED mapping (8-byte aligned). */
+uint64_t hccl_load_acquire(const uint64_t *addr);
+void hccl_store_release(uint64_t *addr, uint64_t value);
+/* atomic, seq_cst, returns the old value */
+uint64_t hccl_fetch_add(uint64_t *addr, uint64_t delta);
+/* Wait until *addr >= target (unsigned compare). Spins (x86 `pause`, a compiler barrier elsewhere) for up
+ * to spin_ns nanoseconds, reading the monotonic clock every ~64 iterations; then, for up to yield_ns
+ * more, alternates checking and sched_yield(). Returns 1 if the condition held, 0 if the time ran out.
+ * Never sleeps. */
+int hccl_wait_ge(const uint64_t *addr, uint64_t target, uint64_t spin_ns, uint64_t yield_ns);
+/* Same, but waits until *addr != value. */
+int hccl_wait_ne(const uint64_t *addr, uint64_t value, uint64_t spin_ns, uint64_t yield_ns);
+/* Wait until any *addrs[i] != vals[i] (spin, then sched_yield, with the same timing rules as
+ * hccl_wait_ge); index of a changed one (the lowest), or -1 on time-out. n <= 0 returns -1 at once. */
+int hccl_wait_any_change(uint64_t **addrs, const uint64_t *vals, int n, uint64_t spin_ns, uint64_t yield_ns);
+/* monotonic clock (CLOCK_MONOTONIC) in nanoseconds */
+uint64_t hccl_now_ns(void);
+/* a short, static string describing the build: compiler, whether target_clones is active, which
+ * kernel clone this CPU runs, how float16 is converted */
+const char *hccl_build_info(void);

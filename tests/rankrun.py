@@ -1,0 +1,53 @@
+"""Run a test function on N real rank processes (launched by hetccl's own launcher).
+
+`run_ranks(n, "module:function", **kwargs)` starts n processes; each joins the job with hetccl.init(),
+calls `await function(comm, **kwargs)` and closes. The test passes when every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+RANK_MAIN = r"""
+import asyncio, json, sys, importlib
+sys.path.insert(0, {tests!r})
+import hetccl
+mod, fn = {target!r}.split(":")
+kwargs = json.loads({kwargs!r})
+async def main():
+    func = getattr(importlib.import_module(mod), fn)
+    if getattr(func, "no_init", False):
+        await func(**kwargs)
+        return
+    comm = await hetccl.init()
+    try:
+        await func(comm, **kwargs)
+    finally:
+        await comm.close()
+hetccl.run(main())
+"""
+
+
+def run_ranks(n: int, target: str, env: dict[str, str] | None = None, timeout: float = 90.0,
+              expect_rc: int | None = 0, **kwargs: object) -> subprocess.CompletedProcess:
+    """Launch n ranks through `python -m hetccl run` and return the finished process."""
+    code = RANK_MAIN.format(tests=str(HERE), target=target, kwargs=json.dumps(kwargs))
+    full_env = dict(os.environ)
+    full_env.setdefault("HETCCL_TIMEOUT", "30")
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "hetccl", "run", "-n", str(n), "--", sys.executable, "-c", code]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
+    if expect_rc is not None and proc.returncode != expect_rc:
+        raise AssertionError(f"{target} on {n} ranks exited {proc.returncode} (expected {expect_rc})\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+    return proc

@@ -1,0 +1,58 @@
+"""Every collective x dtype x op x count on real rank processes, over shared memory and over TCP."""
+
+from __future__ import annotations
+
+import pytest
+from rankrun import run_ranks
+
+TRANSPORTS = {"shm": {"HETCCL_TRANSPORTS": "shm,tcp"}, "tcp": {"HETCCL_TRANSPORTS": "tcp"}}
+SMALL = [0, 1, 7, 33]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_matrix_small(n: int, transport: str) -> None:
+    """Small counts (0, 1, odd, fewer elements than ranks) for every dtype and op, latency algorithms."""
+    run_ranks(n, "workers:matrix", env=TRANSPORTS[transport], timeout=280, counts=SMALL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algo", ["ring", "latency"])
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_matrix_forced_algorithm(n: int, transport: str, algo: str) -> None:
+    """Both algorithm families on every collective, with chunking (small HETCCL_CHUNK_BYTES) engaged."""
+    env = dict(TRANSPORTS[transport], HETCCL_ALGO=algo, HETCCL_CHUNK_BYTES="4096")
+    run_ranks(n, "workers:matrix", env=env, timeout=280, counts=[1, 5, 4099],
+              dtypes=["int32", "bfloat16", "float16", "float64"], ops=["sum", "max", "avg"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("n", [2, 4])
+def test_matrix_large(n: int, transport: str) -> None:
+    """Large counts (several chunks, several shared-memory fragments) on the default algorithm choice."""
+    run_ranks(n, "workers:matrix", env=TRANSPORTS[transport], timeout=280, counts=[1 << 20, 3_000_001],
+              dtypes=["float32", "bfloat16", "int64"], ops=["sum", "min"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("n", [2, 3])
+def test_concurrent_p2p_split(n: int, transport: str) -> None:
+    for target in ("workers:concurrent", "workers:p2p", "workers:split", "workers:in_place_variants",
+                   "workers:errors"):
+        run_ranks(n, target, env=TRANSPORTS[transport])
+
+
+@pytest.mark.timeout(120)
+def test_torch_tensors() -> None:
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+    run_ranks(3, "workers:torch_buffers")
+
+
+@pytest.mark.timeout(120)
+def test_sync_facade() -> None:
+    run_ranks(2, "workers:sync_facade")

@@ -1,0 +1,424 @@
+"""hetccl.launcher: real child processes (sys.executable -c ...), no mocks of subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import hetccl.launcher as launcher_mod
+from hetccl.launcher import launch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+ENV_KEYS = [
+    "HETCCL_RANK",
+    "HETCCL_WORLD_SIZE",
+    "HETCCL_LOCAL_RANK",
+    "HETCCL_LOCAL_WORLD_SIZE",
+    "HETCCL_ADDR",
+    "HETCCL_SECRET",
+    "HETCCL_LAUNCHED",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LAUNCHER_TEST_EXTRA",
+    "LAUNCHER_TEST_PARENT",
+]
+
+
+# child code gets mark(): files appear whole (write + rename), so that a test polling for them never
+# reads a half-written one
+MARK = """
+import os as _os
+def mark(directory, name, text):
+    tmp = _os.path.join(directory, "." + name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    _os.replace(tmp, _os.path.join(directory, name))
+"""
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", MARK + textwrap.dedent(code)]
+
+
+def dump_env_cmd(out_dir: Path) -> list[str]:
+    return py(
+        f"""
+        import json, os
+        keys = {ENV_KEYS!r}
+        rank = os.environ["HETCCL_RANK"]
+        mark({str(out_dir)!r}, "rank" + rank + ".json", json.dumps({{k: os.environ.get(k) for k in keys}}))
+        """
+    )
+
+
+def read_envs(out_dir: Path, n: int) -> list[dict[str, str]]:
+    files = sorted(out_dir.glob("rank*.json"))
+    assert len(files) == n, files
+    return [json.loads(f.read_text()) for f in files]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def wait_for_files(paths: list[Path], limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"children never wrote {paths}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_env_reaches_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAUNCHER_TEST_PARENT", "from-parent")
+    monkeypatch.delenv("HETCCL_SECRET", raising=False)
+    n = 4
+    rc = launch(n, dump_env_cmd(tmp_path), env={"LAUNCHER_TEST_EXTRA": "extra"})
+    assert rc == 0
+    envs = read_envs(tmp_path, n)
+
+    assert sorted(int(e["HETCCL_RANK"]) for e in envs) == list(range(n))
+    for e in envs:
+        assert e["HETCCL_WORLD_SIZE"] == e["WORLD_SIZE"] == str(n)
+        assert e["HETCCL_LOCAL_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == str(n)
+        assert e["HETCCL_LOCAL_RANK"] == e["LOCAL_RANK"] == e["RANK"] == e["HETCCL_RANK"]
+        assert e["HETCCL_LAUNCHED"] == "1"
+        assert e["LAUNCHER_TEST_EXTRA"] == "extra"
+        assert e["LAUNCHER_TEST_PARENT"] == "from-parent"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+
+    assert len({e["HETCCL_SECRET"] for e in envs}) == 1
+    secret = envs[0]["HETCCL_SECRET"]
+    assert len(secret) == 64 and int(secret, 16) >= 0  # secrets.token_hex(32)
+    assert len({e["HETCCL_ADDR"] for e in envs}) == 1
+    host, port = envs[0]["HETCCL_ADDR"].rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert 0 < int(port) <= 65535 and int(port) != 29500
+    assert all(e["MASTER_PORT"] == port for e in envs)
+
+
+@pytest.mark.timeout(60)
+def test_secret_and_port_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETCCL_SECRET", "from-parent-env")
+    (tmp_path / "a").mkdir()
+    assert launch(2, dump_env_cmd(tmp_path / "a")) == 0
+    assert {e["HETCCL_SECRET"] for e in read_envs(tmp_path / "a", 2)} == {"from-parent-env"}
+
+    (tmp_path / "b").mkdir()
+    assert launch(2, dump_env_cmd(tmp_path / "b"), secret="given", port=45678) == 0
+    envs = read_envs(tmp_path / "b", 2)
+    assert {e["HETCCL_SECRET"] for e in envs} == {"given"}
+    assert {e["HETCCL_ADDR"] for e in envs} == {"127.0.0.1:45678"}
+    assert {e["MASTER_PORT"] for e in envs} == {"45678"}
+
+
+@pytest.mark.timeout(60)
+def test_generated_secret_differs_between_jobs(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETCCL_SECRET", raising=False)
+    secrets_seen = []
+    for job in ("a", "b"):
+        (tmp_path / job).mkdir()
+        assert launch(2, dump_env_cmd(tmp_path / job)) == 0
+        secrets_seen.append({e["HETCCL_SECRET"] for e in read_envs(tmp_path / job, 2)})
+    assert all(len(s) == 1 for s in secrets_seen)
+    assert secrets_seen[0] != secrets_seen[1]
+
+
+@pytest.mark.timeout(60)
+def test_stdout_passes_through_and_stderr_is_forwarded(capfd):
+    rc = launch(
+        2,
+        py(
+            """
+            import os, sys
+            r = os.environ["HETCCL_RANK"]
+            print("out-of-rank-" + r, flush=True)
+            print("err-of-rank-" + r, file=sys.stderr, flush=True)
+            """
+        ),
+    )
+    assert rc == 0
+    out, err = capfd.readouterr()
+    assert "out-of-rank-0" in out and "out-of-rank-1" in out
+    assert "out-of-rank-" not in err
+    assert "err-of-rank-0\n" in err and "err-of-rank-1\n" in err
+    assert "failed" not in err
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_others_and_prints_its_tail(tmp_path, capfd):
+    code = f"""
+        import os, sys, time
+        rank = int(os.environ["HETCCL_RANK"])
+        mark({str(tmp_path)!r}, f"pid{{rank}}", str(os.getpid()))
+        if rank == 1:
+            time.sleep(0.5)
+            for i in range(30):
+                print(f"rank1 line {{i}}", file=sys.stderr)
+            sys.exit(3)
+        time.sleep(30)
+        """
+    t0 = time.monotonic()
+    rc = launch(3, py(code), tail_lines=5)
+    elapsed = time.monotonic() - t0
+    assert rc == 3
+    assert elapsed < 15
+    assert_gone([int((tmp_path / f"pid{r}").read_text()) for r in range(3)])
+
+    err = capfd.readouterr().err
+    header = "hetccl run: rank 1 failed with exit code 3; last stderr lines of rank 1:\n"
+    assert header in err
+    report = err.split(header, 1)[1].splitlines()
+    assert report[:5] == [f"    rank1 line {i}" for i in range(25, 30)]
+    assert "rank1 line 24" not in "\n".join(report)
+    assert "rank1 line 0\n" in err.split(header, 1)[0]  # every line was forwarded live
+
+
+@pytest.mark.timeout(60)
+def test_first_failure_is_reported(capfd):
+    code = """
+        import os, sys, time
+        rank = int(os.environ["HETCCL_RANK"])
+        if rank == 2:
+            print("rank two gives up", file=sys.stderr)
+            sys.exit(5)
+        time.sleep(5.0 if rank == 0 else 30)  # rank 0 would fail second (if it were not stopped first)
+        print("rank zero fails later", file=sys.stderr)
+        sys.exit(7)
+        """
+    assert launch(3, py(code)) == 5
+    err = capfd.readouterr().err
+    assert "rank 2 failed with exit code 5; last stderr lines of rank 2:\n    rank two gives up" in err
+    assert "rank 0 failed" not in err
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal(capfd):
+    code = """
+        import os, signal, sys, time
+        if os.environ["HETCCL_RANK"] == "1":
+            print("about to die", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+        """
+    t0 = time.monotonic()
+    assert launch(2, py(code)) == 128 + signal.SIGKILL
+    assert time.monotonic() - t0 < 15
+    err = capfd.readouterr().err
+    assert f"rank 1 failed with exit code {128 + signal.SIGKILL}" in err
+    assert "    about to die" in err
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_sigterm_single_rank():
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert launch(1, py(code)) == 128 + signal.SIGTERM
+
+
+@pytest.mark.timeout(60)
+def test_stubborn_rank_is_sigkilled(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher_mod, "TERM_GRACE_S", 1.0)
+    code = f"""
+        import os, signal, sys, time
+        rank = int(os.environ["HETCCL_RANK"])
+        if rank == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            mark({str(tmp_path)!r}, "pid0", str(os.getpid()))
+            time.sleep(30)
+        while not os.path.exists(os.path.join({str(tmp_path)!r}, "pid0")):
+            time.sleep(0.01)
+        sys.exit(2)
+        """
+    t0 = time.monotonic()
+    assert launch(2, py(code)) == 2
+    assert time.monotonic() - t0 < 15
+    assert_gone([int((tmp_path / "pid0").read_text())])
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_everything(tmp_path, capfd):
+    code = f"""
+        import os, time
+        rank = os.environ["HETCCL_RANK"]
+        mark({str(tmp_path)!r}, "pid" + rank, str(os.getpid()))
+        if rank == "1":
+            raise SystemExit(0)
+        time.sleep(30)
+        """
+    t0 = time.monotonic()
+    assert launch(3, py(code), timeout=1.5) == 124
+    assert time.monotonic() - t0 < 15
+    assert_gone([int((tmp_path / f"pid{r}").read_text()) for r in range(3)])
+    err = capfd.readouterr().err
+    assert "timed out after 1.5 s; ranks still running: 0, 2" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"nprocs": 0, "cmd": [sys.executable, "-c", "pass"]},
+        {"nprocs": -2, "cmd": [sys.executable, "-c", "pass"]},
+        {"nprocs": 1, "cmd": []},
+        {"nprocs": 1, "cmd": "python -c pass"},
+        {"nprocs": 1, "cmd": [sys.executable, "-c", "pass"], "tail_lines": -1},
+        {"nprocs": 1, "cmd": [sys.executable, "-c", "pass"], "timeout": 0},
+        {"nprocs": 1, "cmd": [sys.executable, "-c", "pass"], "port": 70000},
+    ],
+)
+def test_bad_input_raises_value_error(kwargs):
+    with pytest.raises(ValueError, match="pass"):
+        launch(kwargs.pop("nprocs"), kwargs.pop("cmd"), **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_missing_program_leaves_no_child(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        launch(2, [str(tmp_path / "no-such-program")])
+
+
+@pytest.mark.timeout(60)
+def test_signal_handlers_are_restored(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    assert launch(1, py("pass")) == 0
+    assert launch(1, py("raise SystemExit(4)")) == 4
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.timeout(60)
+def test_keyboard_interrupt_in_launcher_kills_children(tmp_path, monkeypatch):
+    code = f"""
+        import os, time
+        rank = os.environ["HETCCL_RANK"]
+        mark({str(tmp_path)!r}, "pid" + rank, str(os.getpid()))
+        time.sleep(30)
+        """
+    pid_files = [tmp_path / "pid0", tmp_path / "pid1"]
+    real_sleep = time.sleep
+    raised = []
+
+    def sleep_then_interrupt(seconds):
+        if not raised and all(p.exists() for p in pid_files):
+            raised.append(True)
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(launcher_mod, "_sleep", sleep_then_interrupt)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(2, py(code))
+    assert time.monotonic() - t0 < 15
+    assert_gone([int(p.read_text()) for p in pid_files])
+
+
+def _launcher_process(tmp_path: Path, child_code: str, nprocs: int) -> subprocess.Popen:
+    """The launcher in a process of its own, so that the test can send it signals."""
+    driver = f"""
+        import sys
+        from hetccl.launcher import launch
+        child = [sys.executable, "-c", {MARK + textwrap.dedent(child_code)!r}]
+        sys.exit(launch({nprocs}, child))
+        """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(py(driver), env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _reap(proc: subprocess.Popen, tmp_path: Path) -> None:
+    """If a test failed with the launcher still running, leave no launcher and no rank behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        for ready in tmp_path.glob("ready*"):
+            try:
+                os.kill(int(ready.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded_to_every_rank(tmp_path, sig):
+    child = f"""
+        import os, signal, sys, time
+        rank = os.environ["HETCCL_RANK"]
+        def on_signal(signum, frame):
+            mark({str(tmp_path)!r}, "got" + rank, str(signum))
+            sys.exit(0)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        mark({str(tmp_path)!r}, "ready" + rank, str(os.getpid()))
+        time.sleep(30)
+        """
+    proc = _launcher_process(tmp_path, child, 2)
+    try:
+        wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _reap(proc, tmp_path)
+    assert time.monotonic() - t0 < 8
+    assert proc.returncode == 128 + sig, err
+    for rank in (0, 1):
+        assert (tmp_path / f"got{rank}").read_text() == str(int(sig))
+    assert_gone([int((tmp_path / f"ready{r}").read_text()) for r in (0, 1)])
+    assert f"got {signal.Signals(sig).name}" in err
+
+
+@pytest.mark.timeout(60)
+def test_second_signal_kills_stubborn_ranks_at_once(tmp_path):
+    child = f"""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank = os.environ["HETCCL_RANK"]
+        mark({str(tmp_path)!r}, "ready" + rank, str(os.getpid()))
+        time.sleep(30)
+        """
+    proc = _launcher_process(tmp_path, child, 2)
+    try:
+        wait_for_files([tmp_path / "ready0", tmp_path / "ready1"])
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # ranks ignore SIGTERM: the launcher is in its 10 s grace
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        _reap(proc, tmp_path)
+    assert time.monotonic() - t0 < 5
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert_gone([int((tmp_path / f"ready{r}").read_text()) for r in (0, 1)])
+
+
+@pytest.mark.timeout(60)
+def test_stderr_is_forwarded_while_the_rank_still_runs(tmp_path):
+    child = """
+        import os, sys, time
+        if os.environ["HETCCL_RANK"] == "0":
+            print("early line", file=sys.stderr, flush=True)
+        time.sleep(30)
+        """
+    proc = _launcher_process(tmp_path, child, 2)
+    try:
+        assert proc.stderr.readline() == "early line\n"  # the ranks sleep for 30 s after writing it
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        _reap(proc, tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM

@@ -1,0 +1,315 @@
+"""Functions that run inside rank processes (see rankrun.py). Each checks its own results and raises on
+any difference, naming the case."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import ml_dtypes
+import numpy as np
+
+import hetccl
+
+DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+OPS = ["sum", "prod", "min", "max", "avg"]
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def make(rank: int, count: int, dtype: str, salt: int = 0) -> np.ndarray:
+    """Deterministic per-rank data with small values: sums/products stay exact in every dtype."""
+    rng = np.random.default_rng(1000 * rank + 7 * count + salt + DTYPES.index(dtype))
+    lo = 0 if dtype == "uint8" else -3
+    vals = rng.integers(lo, 4, size=count)
+    vals[vals == 0] = 1
+    return vals.astype(np_dtype(dtype))
+
+
+def expected_reduce(n: int, count: int, dtype: str, op: str, salt: int = 0) -> np.ndarray:
+    arrs = [make(r, count, dtype, salt).astype(np.float64) for r in range(n)]
+    if op in ("sum", "avg"):
+        res = np.sum(arrs, axis=0)
+    elif op == "prod":
+        res = np.prod(arrs, axis=0)
+    elif op == "min":
+        res = np.min(arrs, axis=0)
+    else:
+        res = np.max(arrs, axis=0)
+    if op == "avg":
+        res = np.trunc(res / n) if not dtype.startswith(("float", "bfloat")) else res / n
+    if dtype in ("int8", "uint8", "int32", "int64"):
+        return res.astype(np.int64).astype(np_dtype(dtype))  # wraparound like C
+    return res.astype(np_dtype(dtype))
+
+
+def check(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    if got.dtype.kind == "f" or got.dtype == np_dtype("bfloat16"):
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        tol = 1e-2 if got.dtype.itemsize == 2 else 1e-6
+        ok = np.allclose(g, w, rtol=tol, atol=tol)
+    else:
+        ok = np.array_equal(got, want)
+    if not ok:
+        bad = np.nonzero(got.astype(np.float64) != want.astype(np.float64))[0][:5]
+        raise AssertionError(f"{what}: wrong at {bad.tolist()}: got {got[bad].tolist()} want {want[bad].tolist()}")
+
+
+async def matrix(comm: hetccl.Communicator, counts: list[int], dtypes: list[str] | None = None,
+                 ops: list[str] | None = None) -> None:
+    """Every collective x dtype x op x count, checked against numpy."""
+    n, r = comm.size, comm.rank
+    for dtype in dtypes or DTYPES:
+        dt = np_dtype(dtype)
+        for count in counts:
+            for op in ops or OPS:
+                what = f"rank {r}/{n} all_reduce {dtype} {op} count={count}"
+                buf = make(r, count, dtype)
+                await comm.all_reduce(buf, op=op)
+                check(buf, expected_reduce(n, count, dtype, op), what)
+                root = count % n
+                buf = make(r, count, dtype)
+                orig = buf.copy()
+                await comm.reduce(buf, root=root, op=op)
+                check(buf, expected_reduce(n, count, dtype, op) if r == root else orig,
+                      f"rank {r}/{n} reduce root={root} {dtype} {op} count={count}")
+                # reduce_scatter: input n*count
+                inp = make(r, n * count, dtype, salt=1)
+                out = np.zeros(count, dt)
+                await comm.reduce_scatter(out, inp, op=op)
+                want = expected_reduce(n, n * count, dtype, op, salt=1)[r * count:(r + 1) * count]
+                check(out, want, f"rank {r}/{n} reduce_scatter {dtype} {op} count={count}")
+            # data movement collectives, once per dtype and count
+            inp = make(r, count, dtype)
+            out = np.zeros(n * count, dt)
+            await comm.all_gather(out, inp)
+            check(out, np.concatenate([make(p, count, dtype) for p in range(n)]),
+                  f"rank {r}/{n} all_gather {dtype} count={count}")
+            root = (count + 1) % n
+            buf = make(r, count, dtype, salt=2)
+            await comm.broadcast(buf, root=root)
+            check(buf, make(root, count, dtype, salt=2), f"rank {r}/{n} broadcast root={root} {dtype} count={count}")
+            inp = make(r, n * count, dtype, salt=3)
+            out = np.zeros(n * count, dt)
+            await comm.all_to_all(out, inp)
+            want = np.concatenate([make(p, n * count, dtype, salt=3)[r * count:(r + 1) * count] for p in range(n)])
+            check(out, want, f"rank {r}/{n} all_to_all {dtype} count={count}")
+            root = count % n
+            inp = make(r, count, dtype, salt=4)
+            out = np.zeros(n * count, dt) if r == root else None
+            await comm.gather(out, inp, root=root)
+            if r == root:
+                check(out, np.concatenate([make(p, count, dtype, salt=4) for p in range(n)]),
+                      f"rank {r}/{n} gather {dtype} count={count}")
+            src = make(root, n * count, dtype, salt=5) if r == root else None
+            out = np.zeros(count, dt)
+            await comm.scatter(out, src, root=root)
+            check(out, make(root, n * count, dtype, salt=5)[r * count:(r + 1) * count],
+                  f"rank {r}/{n} scatter {dtype} count={count}")
+    await comm.barrier()
+
+
+async def in_place_variants(comm: hetccl.Communicator) -> None:
+    n, r = comm.size, comm.rank
+    # all_gather in place: inp is this rank's slice of out
+    out = np.zeros(n * 5, np.float32)
+    out[r * 5:(r + 1) * 5] = r + 1
+    await comm.all_gather(out, out[r * 5:(r + 1) * 5])
+    check(out, np.repeat(np.arange(1, n + 1, dtype=np.float32), 5), "in-place all_gather")
+
+
+async def p2p(comm: hetccl.Communicator) -> None:
+    n, r = comm.size, comm.rank
+    # ring exchange plus several messages in flight per pair, matched in order
+    right, left = (r + 1) % n, (r - 1) % n
+    for count in (0, 1, 1000, 300_000):
+        out = np.arange(count, dtype=np.int64) + r
+        got = np.zeros(count, np.int64)
+        await asyncio.gather(comm.send(out, right), comm.recv(got, left))
+        check(got, np.arange(count, dtype=np.int64) + left, f"p2p count={count}")
+    if r == 0:
+        await asyncio.gather(*(comm.send(np.full(10, i, np.int32), 1) for i in range(5)))
+    elif r == 1:
+        bufs = [np.zeros(10, np.int32) for _ in range(5)]
+        await asyncio.gather(*(comm.recv(b, 0) for b in bufs))
+        for i, b in enumerate(bufs):
+            check(b, np.full(10, i, np.int32), f"p2p ordered message {i}")
+
+
+async def concurrent(comm: hetccl.Communicator, k: int = 16) -> None:
+    """Many collectives in flight at once, of different kinds and sizes, all correct."""
+    n, r = comm.size, comm.rank
+    bufs = [np.full(1 + 37 * i * i, r + i, np.float32) for i in range(k)]
+    outs = [np.zeros(n * 100, np.int32) for _ in range(k)]
+    tasks = []
+    for i in range(k):
+        tasks.append(comm.all_reduce(bufs[i]))
+        tasks.append(comm.all_gather(outs[i], np.full(100, r * 1000 + i, np.int32)))
+    await asyncio.gather(*tasks)
+    for i in range(k):
+        check(bufs[i], np.full(len(bufs[i]), sum(p + i for p in range(n)), np.float32), f"concurrent ar {i}")
+        check(outs[i], np.repeat(np.arange(n) * 1000 + i, 100).astype(np.int32), f"concurrent ag {i}")
+
+
+async def split(comm: hetccl.Communicator) -> None:
+    n, r = comm.size, comm.rank
+    sub = await comm.split(r % 2, key=-r)  # reverse order inside each color
+    members = [p for p in range(n) if p % 2 == r % 2]
+    assert sub is not None and sub.size == len(members), (sub, members)
+    assert sub.rank == sorted(members, reverse=True).index(r), (sub.rank, r)
+    buf = np.array([r], np.int64)
+    await sub.all_reduce(buf)
+    assert buf[0] == sum(members), (buf, members)
+    none = await comm.split(None if r == 0 else 1)
+    assert (none is None) == (r == 0)
+    if none is not None:
+        b = np.ones(3, np.float32)
+        await none.all_reduce(b)
+        check(b, np.full(3, n - 1, np.float32), "split without rank 0")
+    await comm.barrier()
+
+
+async def torch_buffers(comm: hetccl.Communicator) -> None:
+    import torch
+
+    n, r = comm.size, comm.rank
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8):
+        t = torch.full((3, 5), r + 1, dtype=dt)
+        await comm.all_reduce(t)
+        assert torch.equal(t, torch.full((3, 5), n * (n + 1) // 2, dtype=dt)), (dt, t)
+    out = torch.zeros(n, 4)
+    await comm.all_gather(out, torch.full((4,), float(r)))
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32)[:, None].expand(n, 4)), out
+
+
+async def errors(comm: hetccl.Communicator) -> None:
+    """Bad input gives ConfigError before anything is sent; the communicator still works after."""
+    bad = [
+        lambda: comm.all_reduce(np.ones((4, 4), np.float32)[:, 0]),  # non-contiguous
+        lambda: comm.all_reduce(np.ones(4, np.complex64)),
+        lambda: comm.all_reduce(np.ones(4, np.float32), op="xor"),
+        lambda: comm.broadcast(np.ones(4, np.float32), root=comm.size),
+        lambda: comm.all_gather(np.ones(3, np.float32), np.ones(2, np.float32)),
+    ]
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    bad.append(lambda: comm.all_reduce(ro))
+    for make_call in bad:
+        try:
+            await make_call()
+        except hetccl.ConfigError:
+            continue
+        raise AssertionError("bad input was accepted")
+    buf = np.ones(4, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(4, comm.size, np.float32), "all_reduce after errors")
+
+
+async def sync_facade(**_: object) -> None:
+    comm = hetccl.init_sync()
+    buf = np.ones(10, np.float64)
+    comm.all_reduce(buf, op="sum")
+    check(buf, np.full(10, comm.size, np.float64), "sync all_reduce")
+    sub = comm.split(0)
+    assert sub is not None and sub.size == comm.size
+    sub.barrier()
+    comm.close()
+
+
+sync_facade.no_init = True  # type: ignore[attr-defined]
+
+
+async def die_midway(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim exits hard in the middle of a large all_reduce; survivors must raise PeerLostError
+    naming it, quickly."""
+    buf = np.ones(8 << 20, np.float32)
+    await comm.all_reduce(buf)
+    if comm.rank == victim:
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            await comm.all_reduce(buf)
+    except hetccl.PeerLostError as exc:
+        took = time.monotonic() - t0
+        assert took < 10, f"took {took:.1f} s"
+        print(f"rank {comm.rank}: PeerLostError rank={exc.rank}: {exc}", flush=True)
+        os._exit(0 if exc.rank in (victim, -1) else 3)
+    except hetccl.HetcclError as exc:
+        print(f"rank {comm.rank}: other error {exc!r}", flush=True)
+        os._exit(4)
+    os._exit(5)
+
+
+async def missing_rank(**_: object) -> None:
+    """World size 2 but rank 1 never starts: rank 0's init must fail with CollectiveTimeout."""
+    t0 = time.monotonic()
+    try:
+        await hetccl.init(rank=0, world_size=2, addr=os.environ["TEST_ADDR"], timeout=2.0)
+    except hetccl.CollectiveTimeout as exc:
+        print("timeout ok:", exc, f"{time.monotonic() - t0:.1f}s")
+        return
+    raise AssertionError("init returned without the second rank")
+
+
+missing_rank.no_init = True  # type: ignore[attr-defined]
+
+
+async def stuck_peer(comm: hetccl.Communicator) -> None:
+    """Rank 1 never calls the collective: rank 0 times out (HETCCL_TIMEOUT) with a clear error."""
+    if comm.rank == 0:
+        try:
+            await comm.all_reduce(np.ones(100, np.float32))
+        except hetccl.CollectiveTimeout as exc:
+            assert "rank" in str(exc) and "all_reduce" in str(exc), exc
+            print("timeout ok:", exc)
+            await comm.barrier()
+            return
+        raise AssertionError("all_reduce completed without rank 1")
+    await asyncio.sleep(float(os.environ["HETCCL_TIMEOUT"]) + 1)
+    await comm.barrier()
+
+
+async def stranger(comm: hetccl.Communicator) -> None:
+    """A connection without the job secret to rank 0's store and data port is refused; the job goes on."""
+    import socket
+
+    from hetccl.auth import client_handshake
+    from hetccl.errors import AuthenticationError, PeerLostError
+
+    fabric = comm._fabric
+    if comm.rank == 1:
+        loop = asyncio.get_running_loop()
+        targets = [tuple(fabric.identity.addr)]
+        rec = fabric.records[0]["transports"].get("tcp")
+        if rec:
+            targets.append((rec["host"], rec["port"]))
+        for host, port in targets:
+            for secret in (b"wrong-secret", b""):
+                s = socket.socket()
+                s.setblocking(False)
+                await loop.sock_connect(s, (host, port))
+                try:
+                    await client_handshake(loop, s, secret, "store" if port == targets[0][1] else "data",
+                                           {"rank": 0, "job": fabric.job}, 5.0)
+                except (AuthenticationError, PeerLostError):
+                    pass
+                else:
+                    raise AssertionError(f"stranger with secret {secret!r} was accepted at {host}:{port}")
+                finally:
+                    s.close()
+            # garbage and silence
+            s = socket.create_connection((host, port))
+            s.sendall(b"\xff" * 64)
+            s.close()
+    await comm.barrier()
+    buf = np.ones(1000, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(1000, comm.size, np.float32), "all_reduce after strangers")
+    if comm.rank == 0:
+        refused = fabric.server.refused + sum(getattr(t, "refused", 0) for t in fabric.transports)
+        assert refused >= 3, refused
+        print("refused", refused)
