@@ -1,0 +1,54 @@
+"""`hetccl info`: version, native build, transports found and why any is unavailable."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def collect() -> dict[str, object]:
+    import hetccl
+
+    from .transports import registry
+    from .transports.base import TRANSPORT_API_VERSION
+
+    out: dict[str, object] = {
+        "hetccl": hetccl.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "transport_api": TRANSPORT_API_VERSION,
+    }
+    try:
+        from .native import build_info
+
+        out["native"] = build_info()
+    except Exception as exc:  # the point of `info` is to say what is broken
+        out["native"] = f"UNAVAILABLE: {exc}"
+    try:
+        import uvloop
+
+        out["uvloop"] = uvloop.__version__
+    except ImportError:
+        out["uvloop"] = "not installed (asyncio's default loop is used)"
+    transports = {}
+    specs = registry.discover()
+    for name, reason in registry.available().items():
+        transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
+    out["transports"] = transports
+    return out
+
+
+def print_info() -> int:
+    info = collect()
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if key == "transports":
+            continue
+        print(f"{key:<{width}} : {value}")
+    print("transports:")
+    for name, t in info["transports"].items():  # type: ignore[union-attr]
+        state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
+        print(f"  {name:<8} {state}  ({t['source']})")
+    return 0
