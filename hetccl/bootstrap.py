@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import Identity, Settings
-from .errors import ConfigError, HetcclError
+from .errors import ConfigError, HetcclError, PeerLostError
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
@@ -77,6 +77,7 @@ class Fabric:
         self.topology = Topology([host_identity()])
         self.job = ""
         self.closed = False
+        self.lost: dict[int, BaseException] = {}
 
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
@@ -108,7 +109,8 @@ class Fabric:
         else:
             self.job = await self.store.get("job")
         bind = s.bind_addr or route_source_addr(host, port)
-        ctx = TransportContext(rank, size, self.job, self.topology.hosts[0], s, self.store, bind)
+        ctx = TransportContext(rank, size, self.job, self.topology.hosts[0], s, self.store, bind,
+                               on_peer_lost=self._peer_lost)
         records: dict[str, Any] = {}
         for cls_ in registry.selected(s.transports):
             t = cls_(ctx)
@@ -146,6 +148,15 @@ class Fabric:
                  self.topology.local_rank(rank), len(ctx.local_ranks),
                  {p: self.peer_transport[p] for p in sorted(self.peer_transport)})
 
+    def _peer_lost(self, peer: int, exc: BaseException) -> None:
+        if self.closed or peer in self.lost:
+            return
+        self.lost[peer] = exc
+        log.error("hetccl: rank %d lost rank %d: %s", self.rank, peer, exc)
+        err = exc if isinstance(exc, PeerLostError) else PeerLostError(str(exc), peer)
+        for ep in self.endpoints.values():
+            ep.fail(err)
+
     def transport_kind(self, peers: list[int]) -> str:
         """'shm' when every peer in the list is reached by shared memory, else 'tcp' (for the cost model)."""
         kinds = {self.peer_transport.get(p, "tcp") for p in peers if p != self.rank}
@@ -158,14 +169,15 @@ class Fabric:
         if graceful and self.store is not None and self.size > 1:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with
             # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier
-            with contextlib.suppress(HetcclError, OSError):
-                wait = min(10.0, self.settings.timeout)
-                await self.store.set(f"{self.job}/closing/{self.rank}", 1)
-                for r in range(self.size):
-                    await self.store.get(f"{self.job}/closing/{r}", timeout=wait)
-                await self.store.set(f"{self.job}/closed/{self.rank}", 1)
-                if self.server is not None:
-                    await self._wait_all_closed(wait)
+            wait = min(10.0, self.settings.timeout)
+            with contextlib.suppress(HetcclError, OSError, TimeoutError):
+                async with asyncio.timeout(wait if not self.lost else 1.0):
+                    await self.store.set(f"{self.job}/closing/{self.rank}", 1)
+                    for r in range(self.size):
+                        await self.store.get(f"{self.job}/closing/{r}", timeout=wait)
+                    await self.store.set(f"{self.job}/closed/{self.rank}", 1)
+                    if self.server is not None:
+                        await self._wait_all_closed(wait)
         for t in self.transports:
             with contextlib.suppress(Exception):
                 await t.close()

@@ -6,6 +6,7 @@ variable is set wins; a source that is only partly set is an error naming the mi
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -41,8 +42,8 @@ def env_float(name: str, default: float, env: dict[str, str] | None = None) -> f
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r} must be > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a finite number > 0")
     return value
 
 
@@ -56,7 +57,7 @@ def parse_size(text: str) -> int:
             break
     try:
         value = int(float(s) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"cannot read size {text!r}; write e.g. 4096, 64K, 1M") from None
     if value < 0:
         raise ConfigError(f"size {text!r} must be >= 0")
@@ -73,9 +74,12 @@ def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     else:
         host, port = text, ""
     try:
-        return host or "127.0.0.1", int(port) if port else default_port
+        value = int(port) if port else default_port
     except ValueError:
         raise ConfigError(f"address {text!r} is not host:port") from None
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"address {text!r}: port must be 0..65535")
+    return host or "127.0.0.1", value
 
 
 @dataclass
@@ -95,6 +99,9 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
         if size_var not in env:
             raise ConfigError(f"{rank_var} is set but {size_var} is missing ({source} launch); set {size_var}")
         rank, size = _env_int(rank_var, env), _env_int(size_var, env)
+        if size < 1 or not 0 <= rank < size:
+            raise ConfigError(f"{rank_var}={rank} and {size_var}={size}: need {size_var} >= 1 and "
+                              f"0 <= {rank_var} < {size_var}")
         local = _env_int(local_var, env) if local_var in env else None
         addr = None
         if "HETCCL_ADDR" in env:

@@ -74,7 +74,7 @@ def parse_dtype(value: Any) -> DType:
     text = aliases.get(text, text)
     try:
         return _NUMPY_DTYPES[np.dtype(text).name if text != "bfloat16" else text]
-    except (TypeError, KeyError):
+    except (TypeError, KeyError, ValueError, SyntaxError):
         raise ConfigError(
             f"unsupported dtype {value!r}; use one of {', '.join(_NUMPY_DTYPES)}") from None
 
@@ -162,6 +162,8 @@ def as_buf(obj: Any, name: str = "buffer", writable: bool = True) -> Buf:
         if fmt not in _FORMATS:
             raise ConfigError(f"{name} has buffer format {mv.format!r}, which hetccl does not reduce")
         arr = np.asarray(mv).view(_NAMES[_FORMATS[fmt]]) if mv.ndim else np.asarray(mv).reshape(1)
+    if not arr.dtype.isnative:
+        raise ConfigError(f"{name} is byte-swapped ({arr.dtype.str}); pass x.astype(x.dtype.newbyteorder('='))")
     if arr.dtype.name not in _NUMPY_DTYPES:
         raise ConfigError(f"{name} has dtype {arr.dtype}; use one of {', '.join(_NUMPY_DTYPES)}")
     if not arr.flags.c_contiguous:

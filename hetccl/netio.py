@@ -16,9 +16,10 @@ async def recv_into_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
     got, n = 0, len(mv)
     while got < n:
         try:
-            k = sock.recv_into(mv[got:])
-        except BlockingIOError:
-            k = await loop.sock_recv_into(sock, mv[got:])
+            try:
+                k = sock.recv_into(mv[got:])
+            except BlockingIOError:
+                k = await loop.sock_recv_into(sock, mv[got:])
         except (ConnectionError, OSError) as exc:
             raise PeerLostError(f"connection to rank {peer} failed: {exc}", peer) from None
         if k == 0:

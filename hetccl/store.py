@@ -76,7 +76,10 @@ class StoreServer:
                 return
             while True:
                 req = await read_control(loop, conn, MAX_STORE_FRAME)
-                reply = await self._handle(req)
+                try:
+                    reply = await self._handle(req)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not drop the connection
+                    reply = {"err": f"store request failed: {exc!r}"}
                 await write_control(loop, conn, reply, MAX_STORE_FRAME)
         except (PeerLostError, ProtocolError, OSError):
             return
@@ -98,10 +101,16 @@ class StoreServer:
             self._event(key).set()
             return {"ok": True}
         if cmd == "get":
-            timeout = float(req.get("timeout", 0) or 0)
-            if key not in self.data:
+            timeout = req.get("timeout", 0) or 0
+            if not isinstance(timeout, int | float):
+                return {"err": "timeout must be a number"}
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + max(0.0, min(float(timeout), 86400.0))
+            while key not in self.data:  # a delete may race with the set that woke us: look again
+                ev = self._event(key)
+                ev.clear()
                 try:
-                    await asyncio.wait_for(self._event(key).wait(), max(0.0, min(timeout, 86400.0)))
+                    await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     return {"timeout": True}
             return {"value": self.data[key]}
@@ -118,8 +127,7 @@ class StoreServer:
         if cmd == "check":
             return {"value": key in self.data}
         if cmd == "delete":
-            self.data.pop(key, None)
-            self.events.pop(key, None)
+            self.data.pop(key, None)  # the key's Event stays: a waiting get keeps waiting on it
             return {"ok": True}
         if cmd == "ping":
             return {"ok": True}

@@ -62,12 +62,12 @@ class Fingerprint(NamedTuple):
 
         parts = [f"{CollOp.NAMES.get(self.op, self.op)} #{self.seq}"]
         if self.dtype != 255:
-            parts.append(f"dtype={dtype_name(DType(self.dtype))}")
+            parts.append(f"dtype={dtype_name(DType(self.dtype)) if 0 <= self.dtype <= 7 else self.dtype}")
         parts.append(f"count={self.count}")
         if self.root >= 0:
             parts.append(f"root={self.root}")
         if self.redop != 255:
-            parts.append(f"op={ReduceOp(self.redop).name.lower()}")
+            parts.append(f"op={ReduceOp(self.redop).name.lower() if 0 <= self.redop <= 4 else self.redop}")
         return " ".join(parts)
 
 
@@ -86,6 +86,8 @@ def unpack_data_header(raw: bytes | memoryview, max_payload: int) -> tuple[Finge
         raise ProtocolError(f"bad data header (magic {magic:#x}, version {version}, kind {kind})")
     if nbytes > max_payload:
         raise ProtocolError(f"data frame of {nbytes} bytes exceeds the bound {max_payload}")
+    if op not in CollOp.NAMES or (dtype > 7 and dtype != 255) or (redop > 4 and redop != 255):
+        raise ProtocolError(f"data header with unknown op {op}, dtype {dtype} or reduce op {redop}")
     return Fingerprint(comm, seq, op, dtype, count, root, redop), tag, nbytes
 
 
@@ -96,11 +98,15 @@ def encode_control(obj: dict[str, Any], max_bytes: int = DEFAULT_MAX_CONTROL_BYT
     return CONTROL_LEN.pack(len(body)) + body
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("msgpack extension types are not accepted")
+
+
 def decode_control_body(body: bytes, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> dict[str, Any]:
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True,
                               max_str_len=max_bytes, max_bin_len=max_bytes, max_array_len=1 << 16,
-                              max_map_len=1 << 16, max_ext_len=0)
+                              max_map_len=1 << 16, max_ext_len=0, ext_hook=_no_ext)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"undecodable control frame: {exc.__class__.__name__}") from None
     if not isinstance(obj, dict):

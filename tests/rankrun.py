@@ -51,3 +51,40 @@ def run_ranks(n: int, target: str, env: dict[str, str] | None = None, timeout: f
         raise AssertionError(f"{target} on {n} ranks exited {proc.returncode} (expected {expect_rc})\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
     return proc
+
+
+def spawn_ranks(n: int, target: str, env: dict[str, str] | None = None, **kwargs: object
+                ) -> list[subprocess.Popen]:
+    """Start n ranks directly (no launcher: nobody kills the survivors when one rank dies)."""
+    import secrets
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = RANK_MAIN.format(tests=str(HERE), target=target, kwargs=json.dumps(kwargs))
+    base = dict(os.environ)
+    base.setdefault("HETCCL_TIMEOUT", "30")
+    base.update(env or {})
+    base.update(HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=f"127.0.0.1:{port}", HETCCL_SECRET=secrets.token_hex(8))
+    procs = []
+    for r in range(n):
+        e = dict(base, HETCCL_RANK=str(r), HETCCL_LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=e, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for every process (killing stragglers after `timeout`); (returncode, stdout, stderr) each."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+            se += "\n[killed by the test: did not finish in time]"
+        out.append((p.returncode, so, se))
+    return out

@@ -34,6 +34,7 @@ def parse_override(text: str | None) -> dict[str, str]:
         if not part:
             continue
         op, _, algo = part.rpartition("=")
+        op = op.strip().lower()
         algo = _ALIASES.get(algo.strip().lower())
         if algo is None:
             raise ConfigError(f"HETCCL_ALGO={text!r}: algorithms are ring or latency (tree/rd)")
@@ -53,8 +54,9 @@ def estimate(op: str, algo: str, nbytes: int, n: int, kind: str) -> float:
     if op == "all_reduce":
         if algo == RING:
             return 2 * (n - 1) * a + frac * nbytes * (2 * b + g)
+        p = n.bit_length() - 1  # recursive doubling runs on the largest power of two <= n
         fold = 0 if n & (n - 1) == 0 else 2
-        return (lg + fold) * a + (lg + fold) * nbytes * b + lg * nbytes * g
+        return (p + fold) * a + (p + fold) * nbytes * b + p * nbytes * g
     if op in ("broadcast", "reduce"):
         gg = g if op == "reduce" else 0.0
         if algo == RING:

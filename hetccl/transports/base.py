@@ -58,6 +58,9 @@ class TransportContext:
     store: StoreClient
     bind_host: str
     local_ranks: list[int] = field(default_factory=list)  # filled after the topology exchange
+    # transports report a lost peer here; the fabric then fails every pending operation, on every endpoint,
+    # with that error (a collective stuck on a healthy peer must not outwait the dead one)
+    on_peer_lost: Callable[[int, BaseException], None] = lambda peer, exc: None
 
     @property
     def secret(self) -> bytes:
@@ -112,6 +115,10 @@ class Endpoint(abc.ABC):
     def cancel(self, comm: int, seq: int, exc: BaseException) -> None:
         """Drop receives of one collective (after a timeout or error elsewhere)."""
         self.matcher.cancel(comm, seq, exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail everything pending on this endpoint, and everything posted later, with exc."""
+        self.matcher.fail_all(exc)
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -218,6 +225,7 @@ class Matcher:
             req = self.posted.pop(key)
             if not req.fut.done() and exc is not None:
                 req.fut.set_exception(exc)
+                req.fut.exception()  # the collective reports it; don't log it again
             elif not req.fut.done():
                 req.fut.cancel()
 
@@ -227,4 +235,5 @@ class Matcher:
         for req in posted.values():
             if not req.fut.done():
                 req.fut.set_exception(exc)
+                req.fut.exception()
         self._space.set()

@@ -70,7 +70,13 @@ def selected(wanted: list[str] | None) -> list[type[Transport]]:
     names = wanted if wanted else list(discover())
     classes = []
     for name in names:
-        cls = load(name)
+        try:
+            cls = load(name)
+        except ConfigError as exc:
+            if wanted:
+                raise
+            log.warning("hetccl: skipping transport plugin %s: %s", name, exc)  # a broken plugin asked by nobody
+            continue
         reason = cls.unavailable_reason()
         if reason is not None:
             if wanted:

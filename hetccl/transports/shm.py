@@ -375,7 +375,9 @@ class ShmTransport(Transport):
         if not data:
             self.loop.remove_reader(ep.bell.fileno())
             self.progress_in(peer)  # whatever it sent before dying is still valid
-            ep.fail(PeerLostError(f"rank {self.ctx.rank} lost rank {peer} (shared-memory peer exited)", peer))
+            exc = PeerLostError(f"rank {self.ctx.rank} lost rank {peer} (shared-memory peer exited)", peer)
+            ep.fail(exc)
+            self.ctx.on_peer_lost(peer, exc)
         self._wake.set()
 
     def progress_in(self, peer: int) -> bool:

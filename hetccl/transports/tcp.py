@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, ProtocolError
+from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
 from ..netio import recv_into_exact, send_all, tune_socket
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import Capability, Endpoint, Matcher, Transport, TransportContext
@@ -97,12 +97,17 @@ class TcpEndpoint(Endpoint):
         except asyncio.CancelledError:
             m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
             raise
-        except (PeerLostError, ProtocolError, HetcclError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a dying reader must fail its receives, whatever killed it
+            if not isinstance(exc, HetcclError):
+                log.error("hetccl tcp: rank %d reader for rank %d failed: %r", m.me, peer, exc, exc_info=True)
+                exc = PeerLostError(f"rank {m.me}: connection to rank {peer} broke: {exc!r}", peer)
             if not self._closed:
                 if isinstance(exc, PeerLostError):
                     exc = PeerLostError(f"rank {m.me} lost rank {peer}: {exc}", peer)
                 log.debug("hetccl tcp: rank %d -> %d reader ends: %s", m.me, peer, exc)
             m.fail_all(exc if not self._closed else PeerLostError("communicator closed", peer))
+            if not self._closed:
+                self.transport.ctx.on_peer_lost(peer, exc)
 
     async def close(self) -> None:
         if self._closed:
