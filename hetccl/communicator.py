@@ -104,14 +104,8 @@ class Communicator:
         b, rop = as_buf(buf, "buf"), parse_op(op)
         fp = self._fp(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
         ctx = CollCtx(self, fp, b.dtype, rop)
-        if self._algo("all_reduce", b.nbytes) == algorithms.RING:
-            await run_collective(self, fp, lambda: ring.all_reduce(ctx, b))
-            return
-        scratch = self._pool.take(b.nbytes)
-        try:
-            await run_collective(self, fp, lambda: latency.all_reduce(ctx, b, scratch[: b.nbytes]))
-        finally:
-            self._pool.give(scratch)
+        algo = ring.all_reduce if self._algo("all_reduce", b.nbytes) == algorithms.RING else latency.all_reduce
+        await run_collective(self, fp, lambda: algo(ctx, b))
 
     async def all_gather(self, out: Any, inp: Any) -> None:
         """out (size * len(inp) elements) receives every rank's inp, rank-major."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import native
 from ..dtypes import Buf
 from ..scheduler import CollCtx, block_ranges, gather_fail_fast, make_tag
 
@@ -15,8 +14,13 @@ RDBL, BCAST, REDUCE, AG, RS, BARRIER = 11, 12, 13, 14, 15, 16
 _EMPTY = np.empty(0, np.uint8)
 
 
-async def all_reduce(ctx: CollCtx, buf: Buf, scratch: np.ndarray) -> None:
-    """Recursive doubling; non-power-of-two sizes fold the extra ranks in first and out at the end."""
+async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
+    """Recursive doubling; non-power-of-two sizes fold the extra ranks in first and out at the end.
+
+    Each round sends this rank's partial result, then reduces the partner's straight into it (the receive
+    is posted only once the send has completed, so the partner gets the value from before the round). Both
+    partners combine the same two operands and every op here is commutative, so results stay bitwise
+    identical across ranks."""
     n, r = ctx.size, ctx.rank
     if n > 1 and buf.count:
         data = buf.data
@@ -37,14 +41,8 @@ async def all_reduce(ctx: CollCtx, buf: Buf, scratch: np.ndarray) -> None:
         while mask < p:
             vpeer = vr ^ mask
             peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
-            fut = ctx.recv(peer, make_tag(RDBL, step, 0), scratch)
             await ctx.send(peer, make_tag(RDBL, step, 0), data)
-            await fut
-            # same operand order on both sides keeps results bitwise identical across ranks
-            if vr < vpeer:
-                ctx.reducer(data, scratch)
-            else:
-                native.reduce3(data, scratch, data, ctx.dtype, ctx.op, buf.count)
+            await ctx.recv(peer, make_tag(RDBL, step, 0), data, reduce=True)
             mask <<= 1
             step += 1
         if r < 2 * rem:

@@ -46,7 +46,8 @@ PAGE = 4096
 SEG_HEADER = PAGE  # waiting flag at offset 0
 RING_HEADER = PAGE  # head at 0, tail at 128
 FRAG = struct.Struct("<QII")  # fragment offset, fragment length, payload offset in the slot
-SLOT_HDR = DATA_HEADER.size + FRAG.size
+HDR_LEN = DATA_HEADER.size
+SLOT_HDR = HDR_LEN + FRAG.size
 
 
 def _slot_bytes() -> int:
@@ -62,7 +63,7 @@ def _num_slots() -> int:
 class _Ring:
     """One SPSC ring as seen by one side."""
 
-    __slots__ = ("base", "head", "tail", "slots", "slot_bytes", "stride", "mem", "peer", "cur")
+    __slots__ = ("base", "head", "tail", "slots", "slot_bytes", "stride", "mem", "peer", "cur", "offsets")
 
     def __init__(self, mem: np.ndarray, cbase: Any, offset: int, slots: int, slot_bytes: int, peer: int):
         self.mem = mem
@@ -73,6 +74,7 @@ class _Ring:
         self.stride = PAGE + slot_bytes + PAGE
         self.peer = peer
         self.cur: list[Any] | None = None  # message being received: [req-or-None, early, fp, tag, total]
+        self.offsets = [self.slot(i) for i in range(slots)]  # (header, payload area) per slot
 
     @staticmethod
     def size(slots: int, slot_bytes: int) -> int:
@@ -114,14 +116,14 @@ class _Segment:
 class _ShmRecv:
     """Awaitable receive: spins briefly in C before sleeping on the future (small-message latency)."""
 
-    __slots__ = ("fut", "tr")
+    __slots__ = ("fut", "tr", "peer")
 
-    def __init__(self, fut: asyncio.Future, tr: ShmTransport):
-        self.fut, self.tr = fut, tr
+    def __init__(self, fut: asyncio.Future, tr: ShmTransport, peer: int):
+        self.fut, self.tr, self.peer = fut, tr, peer
 
     def __await__(self) -> Any:
         if not self.fut.done():
-            self.tr.spin_until(self.fut)
+            self.tr.spin_until(self.fut, self.peer)
         if not self.fut.done():
             self.tr.kick()
         return (yield from self.fut.__await__())
@@ -137,6 +139,8 @@ class ShmEndpoint(Endpoint):
         self.bell = bell
         self.matcher = Matcher(tr.ctx.rank, peer, tr.ctx.settings.unexpected_bytes)
         self.sendq: deque[list[Any]] = deque()  # [hdr bytes, src, offset, future]
+        self.out_cbase = tr.peer_cbase[peer]
+        self.out_mm = tr.peer_segs[peer].mm
 
     # -- sending ---------------------------------------------------------------------------------------
     def ring_bell(self) -> None:
@@ -147,23 +151,24 @@ class ShmEndpoint(Endpoint):
     def _push(self, item: list[Any]) -> bool:
         """Copy as many fragments of item as fit; True when the message is fully in the ring."""
         hdr, src, off = item[0], item[1], item[2]
-        ring, cbase = self.out, self.tr.peer_cbase[self.peer]
-        mm = self.tr.peer_segs[self.peer].mm
+        ring, cbase, mm = self.out, self.out_cbase, self.out_mm
         n = len(src)
-        src_addr = src.ctypes.data if n else 0
+        csrc = ffi.from_buffer("char[]", src) if n else ffi.NULL
+        src_addr = int(ffi.cast("uintptr_t", csrc))
         pushed = False
+        head_p, tail_p, slots, offsets, slot_bytes = ring.head, ring.tail, ring.slots, ring.offsets, ring.slot_bytes
         while True:
-            head = lib.hccl_load_acquire(ring.head)
-            if head - lib.hccl_load_acquire(ring.tail) >= ring.slots:
+            head = lib.hccl_load_acquire(head_p)
+            if head - lib.hccl_load_acquire(tail_p) >= slots:
                 break
-            hoff, poff = ring.slot(head)
-            flen = min(ring.slot_bytes, n - off)
-            pay = poff + (src_addr + off) % PAGE
-            mm[hoff: hoff + DATA_HEADER.size] = hdr
-            FRAG.pack_into(mm, hoff + DATA_HEADER.size, off, flen, pay - poff)
+            hoff, poff = offsets[head % slots]
+            flen = min(slot_bytes, n - off)
+            pay = (src_addr + off) % PAGE
+            mm[hoff: hoff + HDR_LEN] = hdr
+            FRAG.pack_into(mm, hoff + HDR_LEN, off, flen, pay)
             if flen:
-                lib.hccl_copy(cbase + pay, ffi.from_buffer("char[]", src[off: off + flen]), flen)
-            lib.hccl_store_release(ring.head, head + 1)
+                lib.hccl_copy(cbase + poff + pay, csrc + off, flen)
+            lib.hccl_store_release(head_p, head + 1)
             pushed = True
             off += flen
             if off >= n:
@@ -206,7 +211,7 @@ class ShmEndpoint(Endpoint):
         if fut.done():
             return fut
         self.tr.progress_in(self.peer)
-        return _ShmRecv(fut, self.tr)
+        return _ShmRecv(fut, self.tr, self.peer)
 
     def fail(self, exc: BaseException) -> None:
         self.matcher.fail_all(exc)
@@ -383,20 +388,22 @@ class ShmTransport(Transport):
     def progress_in(self, peer: int) -> bool:
         """Consume frames of the ring from `peer`; True when anything moved."""
         ring = self.in_rings[peer]
+        head_p, tail_p = ring.head, ring.tail
+        tail = lib.hccl_load_acquire(tail_p)
+        if lib.hccl_load_acquire(head_p) == tail:
+            return False
         ep = self.eps.get(peer)
         if ep is None:
             return False
-        m, mem, cbase = ep.matcher, ring.mem, self.seg.cbase  # type: ignore[union-attr]
+        m, mm, mem, cbase = ep.matcher, self.seg.mm, ring.mem, self.seg.cbase  # type: ignore[union-attr]
+        slots, offsets = ring.slots, ring.offsets
         moved = False
         while True:
-            tail = lib.hccl_load_acquire(ring.tail)
-            if lib.hccl_load_acquire(ring.head) == tail:
-                break
-            hoff, poff = ring.slot(tail)
+            hoff, poff = offsets[tail % slots]
             cur = ring.cur
-            foff, flen, pay = FRAG.unpack_from(mem, hoff + DATA_HEADER.size)
+            foff, flen, pay = FRAG.unpack_from(mm, hoff + HDR_LEN)
             if cur is None:
-                fp, tag, total = unpack_data_header(bytes(mem[hoff: hoff + DATA_HEADER.size]), 1 << 62)
+                fp, tag, total = unpack_data_header(mm[hoff: hoff + HDR_LEN], 1 << 62)
                 req = m.take(fp, tag, total)
                 early = None
                 if req is None and not ((fp.comm, fp.seq, tag) in m.posted or m.error is not None):
@@ -406,16 +413,19 @@ class ShmTransport(Transport):
                 cur = ring.cur = [req, early, fp, tag, total]
             req, early = cur[0], cur[1]
             if flen:
-                payload = mem[poff + pay: poff + pay + flen]
+                src = poff + pay
                 if req is not None:
-                    target = req.dst[foff: foff + flen]
+                    dst = req.dst
+                    if foff or flen != len(dst):
+                        dst = dst[foff: foff + flen]
                     if req.reduce is None:
-                        lib.hccl_copy(ffi.from_buffer("char[]", target, True), cbase + poff + pay, flen)
+                        lib.hccl_copy(ffi.from_buffer("char[]", dst, True), cbase + src, flen)
                     else:
-                        req.reduce(target, payload)
+                        req.reduce(dst, mem[src: src + flen])
                 elif early is not None:
-                    early[foff: foff + flen] = payload
-            lib.hccl_store_release(ring.tail, tail + 1)
+                    lib.hccl_copy(ffi.from_buffer("char[]", early, True) + foff, cbase + src, flen)
+            tail += 1
+            lib.hccl_store_release(tail_p, tail)
             moved = True
             if foff + flen >= cur[4]:
                 ring.cur = None
@@ -428,6 +438,8 @@ class ShmTransport(Transport):
                         r2.deliver(early)
                     else:
                         m.stash(cur[2], cur[3], early)
+            if lib.hccl_load_acquire(head_p) == tail:
+                break
         if moved:
             ep.ring_bell()  # the sender may be waiting for space
         return moved
@@ -456,18 +468,26 @@ class ShmTransport(Transport):
                 vals.append(lib.hccl_load_acquire(ep.out.tail))
         return ffi.new("uint64_t *[]", addrs), ffi.new("uint64_t[]", vals), len(addrs)
 
-    def spin_until(self, fut: asyncio.Future) -> None:
-        """Poll, spinning in C between polls, until fut is done or the spin budget is spent."""
+    def spin_until(self, fut: asyncio.Future, peer: int) -> None:
+        """Poll the ring from `peer`, spinning in C on its head between polls, until fut is done or the spin
+        budget is spent (other rings and queued sends are served by the poller)."""
+        ring = self.in_rings[peer]
+        head_p, tail_p = ring.head, ring.tail
         deadline = lib.hccl_now_ns() + self.spin_ns + self.yield_ns
         while not fut.done():
-            if self.progress():
+            if self.progress_in(peer):
+                continue
+            if self._sending and self.progress():
                 continue
             now = lib.hccl_now_ns()
             if now >= deadline:
                 return
-            addrs, vals, n = self._watch()
             spin = min(self.spin_ns, deadline - now)
-            lib.hccl_wait_any_change(addrs, vals, n, spin, max(0, deadline - now - spin))
+            lib.hccl_wait_ne(head_p, lib.hccl_load_acquire(tail_p), spin, deadline - now - spin)
+
+    @property
+    def _sending(self) -> bool:
+        return any(ep.sendq for ep in self.eps.values())
 
     def kick(self) -> None:
         """Make sure the poller runs while there is pending work."""
