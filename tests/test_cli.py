@@ -1,0 +1,66 @@
+"""The command line: hetccl bench (spawns its own ranks, checks every result), hetccl info, hetccl run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from rankrun import ROOT
+
+
+def _hetccl(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HETCCL_", "RANK", "WORLD_SIZE"))}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hetccl", *args], cwd=ROOT, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_bench_spawns_ranks_and_checks_results(tmp_path, nprocs: int) -> None:
+    out = tmp_path / "bench.json"
+    proc = _hetccl("bench", "--nprocs", str(nprocs), "-b", "4K", "-e", "64K", "-f", "4", "-n", "3", "-w", "1",
+                   "--ops", "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce"):
+        assert f"# {op}" in text
+    assert "Out of bounds values : 0 OK" in text
+    rows = json.loads(out.read_text())["results"]
+    assert {r["op"] for r in rows} >= {"all_reduce", "all_to_all"}
+    assert all(r["oop_wrong"] == 0 for r in rows)
+    assert all(r["nranks"] == nprocs for r in rows)
+    sizes = sorted({r["size"] for r in rows if r["op"] == "all_reduce"})
+    assert sizes == [4096, 16384, 65536]
+
+
+@pytest.mark.timeout(60)
+def test_bench_rejects_bad_flags() -> None:
+    proc = _hetccl("bench", "--ops", "nonsense")
+    assert proc.returncode != 0 and "unknown op" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_info_lists_transports() -> None:
+    proc = _hetccl("info")
+    assert proc.returncode == 0, proc.stderr
+    assert "tcp" in proc.stdout and "shm" in proc.stdout and "native" in proc.stdout
+    assert "transport_api : 1" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_run_reports_failing_rank() -> None:
+    code = "import os, sys; sys.exit(7 if os.environ['HETCCL_RANK'] == '1' else 0)"
+    proc = _hetccl("run", "-n", "3", "--", sys.executable, "-c", code)
+    assert proc.returncode == 7
+    assert "rank 1 failed with exit code 7" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_run_needs_a_command() -> None:
+    proc = _hetccl("run", "-n", "2")
+    assert proc.returncode == 2 and "give the command" in proc.stderr
