@@ -161,6 +161,19 @@ class Matcher:
         self.early_bytes = 0
         self.error: BaseException | None = None
         self._space = asyncio.Event()
+        self._free: list[np.ndarray] = []  # recycled early-message buffers: no allocation per message
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """A buffer for an early message (returned to the pool once delivered)."""
+        for i, arr in enumerate(self._free):
+            if nbytes <= len(arr) <= 4 * nbytes + 4096:
+                return self._free.pop(i)[:nbytes]
+        return np.empty(max(nbytes, 4096), np.uint8)[:nbytes]
+
+    def release(self, view: np.ndarray) -> None:
+        base = view.base if isinstance(view.base, np.ndarray) else view
+        if len(self._free) < 16:
+            self._free.append(base)
 
     def post(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -184,6 +197,7 @@ class Matcher:
                 f"expected {len(dst)}"))
         else:
             req.deliver(data)
+        self.release(data)
         return fut
 
     def take(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | None:

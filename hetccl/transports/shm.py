@@ -409,7 +409,7 @@ class ShmTransport(Transport):
                 if req is None and not ((fp.comm, fp.seq, tag) in m.posted or m.error is not None):
                     if not m.has_room(total):
                         break  # leave it in the ring: the sender waits (flow control)
-                    early = np.empty(total, np.uint8)
+                    early = m.alloc(total)
                 cur = ring.cur = [req, early, fp, tag, total]
             req, early = cur[0], cur[1]
             if flen:
@@ -436,6 +436,7 @@ class ShmTransport(Transport):
                     r2 = m.take(cur[2], cur[3], cur[4])
                     if r2 is not None:
                         r2.deliver(early)
+                        m.release(early)
                     else:
                         m.stash(cur[2], cur[3], early)
             if lib.hccl_load_acquire(head_p) == tail:

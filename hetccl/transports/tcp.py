@@ -87,11 +87,12 @@ class TcpEndpoint(Endpoint):
                             await recv_into_exact(loop, sock, memoryview(scratch), peer)
                             req.deliver(scratch)
                             continue
-                    data = np.empty(nbytes, np.uint8)
+                    data = m.alloc(nbytes)
                     await recv_into_exact(loop, sock, memoryview(data), peer)
                     req = m.take(fp, tag, nbytes)  # posted while we were reading?
                     if req is not None:
                         req.deliver(data)
+                        m.release(data)
                     else:
                         m.stash(fp, tag, data)
         except asyncio.CancelledError:
