@@ -18,6 +18,7 @@ from .scheduler import CollCtx, Watchdog, run_collective
 from .wire import CollOp, Fingerprint
 
 P2P_TAG = 0xFFFF << 48
+P2P_SPACE = 1 << 31  # p2p frames use comm id | P2P_SPACE: their sequence numbers never meet a collective's
 _NO_DTYPE, _NO_OP = 255, 255
 
 
@@ -233,7 +234,7 @@ class Communicator:
         b = as_buf(buf, "buf", writable=False)
         seq = self._send_seq[peer]
         self._send_seq[peer] = (seq + 1) & 0xFFFFFFFF
-        fp = Fingerprint(self.comm_id, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        fp = Fingerprint(self.comm_id | P2P_SPACE, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
         ep = self._endpoints[peer]
         await run_collective(self, fp, lambda: ep.send(fp, P2P_TAG | self.rank, b.data))
 
@@ -244,7 +245,7 @@ class Communicator:
         b = as_buf(buf, "buf")
         seq = self._recv_seq[peer]
         self._recv_seq[peer] = (seq + 1) & 0xFFFFFFFF
-        fp = Fingerprint(self.comm_id, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        fp = Fingerprint(self.comm_id | P2P_SPACE, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
         ep = self._endpoints[peer]
 
         async def body() -> None:
@@ -268,7 +269,8 @@ class Communicator:
         members = sorted((int(table[2 * r + 1]), r) for r in range(self.size) if table[2 * r] == color)
         global_members = [self._members[r] for _, r in members]
         digest = hashlib.blake2s(f"{self.comm_id}/{self._splits}/{color}".encode(), digest_size=4).digest()
-        child = Communicator(self._fabric, int.from_bytes(digest, "little") or 1, global_members)
+        child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
+        child = Communicator(self._fabric, child_id if child_id > 1 else child_id + 2, global_members)
         self._children.append(child)
         return child
 

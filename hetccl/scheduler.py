@@ -42,18 +42,21 @@ def num_chunks(max_elems: int, itemsize: int, chunk_bytes: int) -> int:
     return max(1, -(-max_elems * itemsize // chunk_bytes))
 
 
-_REDUCERS: dict[tuple[DType, ReduceOp], Callable[[np.ndarray, Any], None]] = {}
+_REDUCERS: dict[tuple[DType, ReduceOp, bool], Callable[[np.ndarray, Any], None]] = {}
 
 
-def _reducer(dtype: DType, op: ReduceOp) -> Callable[[np.ndarray, Any], None]:
-    fn = _REDUCERS.get((dtype, op))
+def _reducer(dtype: DType, op: ReduceOp, incoming_first: bool = False) -> Callable[[np.ndarray, Any], None]:
+    fn = _REDUCERS.get((dtype, op, incoming_first))
     if fn is None:
         isz = dtype.itemsize
+        if incoming_first:
+            def fn(dst: np.ndarray, src: Any) -> None:
+                native.reduce3(dst, src, dst, dtype, op, len(dst) // isz)
+        else:
+            def fn(dst: np.ndarray, src: Any) -> None:
+                native.reduce_into(dst, src, dtype, op, len(dst) // isz)
 
-        def fn(dst: np.ndarray, src: Any) -> None:
-            native.reduce_into(dst, src, dtype, op, len(dst) // isz)
-
-        _REDUCERS[dtype, op] = fn
+        _REDUCERS[dtype, op, incoming_first] = fn
     return fn
 
 
@@ -77,8 +80,14 @@ class CollCtx:
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
         return self.eps[peer].send(self.fp, tag, data)
 
-    def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False) -> asyncio.Future:
-        return self.eps[peer].post_recv(self.fp, tag, dst, self.reducer if reduce else None)
+    def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False, incoming_first: bool = False
+             ) -> asyncio.Future:
+        """Receive into dst; with reduce, dst = dst OP incoming (or incoming OP dst with incoming_first: the
+        operand order matters only for bitwise agreement on ties, e.g. min(-0.0, +0.0))."""
+        if not reduce:
+            return self.eps[peer].post_recv(self.fp, tag, dst, None)
+        fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
+        return self.eps[peer].post_recv(self.fp, tag, dst, fn)
 
     def finish_avg(self, buf: Buf | np.ndarray, divisor: int | None = None) -> None:
         if self.op == ReduceOp.AVG:

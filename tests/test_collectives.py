@@ -56,3 +56,24 @@ def test_torch_tensors() -> None:
 @pytest.mark.timeout(120)
 def test_sync_facade() -> None:
     run_ranks(2, "workers:sync_facade")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("kind", ["dtype", "count", "op"])
+def test_mismatched_all_reduce_raises_on_every_rank(kind: str, transport: str) -> None:
+    proc = run_ranks(2, "workers:mismatch", env=dict(TRANSPORTS[transport], HETCCL_TIMEOUT="20"), kind=kind)
+    assert proc.stdout.count("mismatch ok") == 2, proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["ring", "latency"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_signed_zero_ties_agree_bitwise(n: int, algo: str) -> None:
+    run_ranks(n, "workers:signed_zero_ties", env={"HETCCL_ALGO": algo})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_p2p_beside_collective(transport: str) -> None:
+    run_ranks(3, "workers:p2p_beside_collective", env=TRANSPORTS[transport])

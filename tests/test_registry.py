@@ -32,6 +32,7 @@ class NullTransport(Transport):
     """Moves nothing: never usable, says why."""
 
     name = "null"
+    api_version = 1
     priority = 1000
 
     @classmethod
@@ -62,6 +63,11 @@ class UsableNull(NullTransport):
 class FutureTransport(UsableNull):
     name = "future"
     api_version = 99
+
+
+class UndeclaredTransport(NullTransport):
+    name = "undeclared"
+    api_version = None  # as a plugin that never set it: Transport's default
 
 
 class NotATransport:

@@ -313,3 +313,50 @@ async def stranger(comm: hetccl.Communicator) -> None:
         refused = fabric.server.refused + sum(getattr(t, "refused", 0) for t in fabric.transports)
         assert refused >= 3, refused
         print("refused", refused)
+
+
+async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
+    """Ranks disagree on a collective: every rank raises CollectiveMismatchError naming both sides."""
+    r = comm.rank
+    buf32 = np.ones(1000 if (kind != "count" or r == 0) else 1001, np.float32)
+    try:
+        if kind == "dtype" and r == 1:
+            await comm.all_reduce(np.ones(1000, np.int32))
+        elif kind == "op" and r == 1:
+            await comm.all_reduce(buf32, op="max")
+        else:
+            await comm.all_reduce(buf32)
+    except hetccl.CollectiveMismatchError as exc:
+        text = str(exc)
+        assert "rank 0" in text and "rank 1" in text and "all_reduce" in text, text
+        print("mismatch ok:", text, flush=True)
+        return
+    raise AssertionError(f"rank {r}: mismatched all_reduce ({kind}) completed")
+
+
+async def signed_zero_ties(comm: hetccl.Communicator) -> None:
+    """min/max of -0.0 and +0.0 must give bitwise the same answer on every rank, on every algorithm."""
+    r = comm.rank
+    for op in ("min", "max"):
+        buf = np.array([-0.0 if r % 2 else 0.0] * 8, np.float32)
+        await comm.all_reduce(buf, op=op)
+        bits = buf.view(np.int32).copy()
+        table = np.zeros(comm.size * 8, np.int32)
+        await comm.all_gather(table, bits)
+        assert (table.reshape(comm.size, 8) == bits).all(), (op, table)  # every rank has the same bits
+
+
+async def p2p_beside_collective(comm: hetccl.Communicator) -> None:
+    """A send and a broadcast in flight together, issued in different orders on the two ranks: p2p and
+    collectives are matched separately and both complete."""
+    r = comm.rank
+    b = np.full(4, 5.0 if r == 0 else 0.0, np.float32)
+    if r == 0:
+        await asyncio.gather(comm.send(np.arange(3, dtype=np.int64), 1), comm.broadcast(b, root=0))
+    elif r == 1:
+        got = np.zeros(3, np.int64)
+        await asyncio.gather(comm.broadcast(b, root=0), comm.recv(got, 0))
+        check(got, np.arange(3, dtype=np.int64), "p2p beside broadcast")
+    else:
+        await comm.broadcast(b, root=0)
+    check(b, np.full(4, 5.0, np.float32), "broadcast beside p2p")

@@ -19,8 +19,7 @@ async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
 
     Each round sends this rank's partial result, then reduces the partner's straight into it (the receive
     is posted only once the send has completed, so the partner gets the value from before the round). Both
-    partners combine the same two operands and every op here is commutative, so results stay bitwise
-    identical across ranks."""
+    partners combine the same two operands in the same order, so results stay bitwise identical."""
     n, r = ctx.size, ctx.rank
     if n > 1 and buf.count:
         data = buf.data
@@ -42,7 +41,8 @@ async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
             vpeer = vr ^ mask
             peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
             await ctx.send(peer, make_tag(RDBL, step, 0), data)
-            await ctx.recv(peer, make_tag(RDBL, step, 0), data, reduce=True)
+            # both partners compute lower OP higher: bitwise equal even where the op breaks ties by position
+            await ctx.recv(peer, make_tag(RDBL, step, 0), data, reduce=True, incoming_first=vpeer < vr)
             mask <<= 1
             step += 1
         if r < 2 * rem:

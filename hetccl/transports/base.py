@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -69,7 +70,7 @@ class TransportContext:
 
 class Transport(abc.ABC):
     name: ClassVar[str]
-    api_version: ClassVar[int] = TRANSPORT_API_VERSION
+    api_version: ClassVar[int | None] = None  # every transport declares the interface version it implements
     capabilities: ClassVar[Capability] = Capability.NONE
     priority: ClassVar[int] = 0  # the highest-priority transport that reaches a peer is chosen
 
@@ -126,6 +127,9 @@ class Endpoint(abc.ABC):
     matcher: Matcher
 
 
+DROP = False  # Matcher.take: read the frame and discard it
+
+
 class RecvRequest:
     __slots__ = ("fp", "dst", "reduce", "fut")
 
@@ -162,6 +166,7 @@ class Matcher:
         self.error: BaseException | None = None
         self._space = asyncio.Event()
         self._free: list[np.ndarray] = []  # recycled early-message buffers: no allocation per message
+        self.withdrawn: deque[tuple[int, int]] = deque(maxlen=256)  # recently failed collectives
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A buffer for an early message (returned to the pool once delivered)."""
@@ -200,21 +205,25 @@ class Matcher:
         self.release(data)
         return fut
 
-    def take(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | None:
-        """The posted receive for an arriving frame, or None. A disagreeing receive fails at once and
-        None is returned (the caller then drains the payload)."""
-        req = self.posted.pop((fp.comm, fp.seq, tag), None)
+    def take(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | None | bool:
+        """The posted receive for an arriving frame; None when none is posted (keep it as early data);
+        DROP when the frame must be read and thrown away: its receive disagrees (and has failed with
+        CollectiveMismatchError), its collective was withdrawn, or the peer is already failed."""
+        key = (fp.comm, fp.seq, tag)
+        req = self.posted.pop(key, None)
         if req is None:
-            return None
+            return DROP if (fp.comm, fp.seq) in self.withdrawn or self.error is not None else None
         if req.fp != fp:
             req.fut.set_exception(_mismatch(self.me, self.peer, req.fp, fp))
             self.cancel(fp.comm, fp.seq, req.fut.exception())
-            return None
+            return DROP
         if nbytes != len(req.dst):
             req.fut.set_exception(CollectiveMismatchError(
                 f"rank {self.peer} sent {nbytes} bytes for {fp.describe()} tag {tag}, rank {self.me} "
                 f"expected {len(req.dst)}"))
-            return None
+            req.fut.exception()
+            self.cancel(fp.comm, fp.seq, req.fut.exception())
+            return DROP
         return req
 
     def has_room(self, nbytes: int) -> bool:
@@ -235,6 +244,8 @@ class Matcher:
             await asyncio.wait_for(self._space.wait(), timeout)
 
     def cancel(self, comm: int, seq: int, exc: BaseException | None) -> None:
+        """Withdraw a collective: fail its receives; frames that still arrive for it are dropped."""
+        self.withdrawn.append((comm, seq))
         for key in [k for k in self.posted if k[0] == comm and k[1] == seq]:
             req = self.posted.pop(key)
             if not req.fut.done() and exc is not None:

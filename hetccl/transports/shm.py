@@ -37,7 +37,7 @@ from .. import native
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, TransportError
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
-from .base import Capability, Endpoint, Matcher, Transport, TransportContext
+from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 
 log = logging.getLogger("hetccl")
 ffi, lib = native.ffi, native.lib
@@ -228,6 +228,7 @@ class ShmEndpoint(Endpoint):
 
 class ShmTransport(Transport):
     name = "shm"
+    api_version = 1
     capabilities = Capability.SAME_HOST_ONLY | Capability.REDUCE_ON_RECV
     priority = 100
 
@@ -406,7 +407,9 @@ class ShmTransport(Transport):
                 fp, tag, total = unpack_data_header(mm[hoff: hoff + HDR_LEN], 1 << 62)
                 req = m.take(fp, tag, total)
                 early = None
-                if req is None and not ((fp.comm, fp.seq, tag) in m.posted or m.error is not None):
+                if req is DROP:
+                    req = None  # read through and discard
+                elif req is None:
                     if not m.has_room(total):
                         break  # leave it in the ring: the sender waits (flow control)
                     early = m.alloc(total)
@@ -434,7 +437,9 @@ class ShmTransport(Transport):
                         req.fut.set_result(None)
                 elif early is not None:
                     r2 = m.take(cur[2], cur[3], cur[4])
-                    if r2 is not None:
+                    if r2 is DROP:
+                        m.release(early)
+                    elif r2 is not None:
                         r2.deliver(early)
                         m.release(early)
                     else:
@@ -457,17 +462,6 @@ class ShmTransport(Transport):
     def _has_work(self) -> bool:
         return any(ep.sendq or ep.matcher.posted for ep in self.eps.values()) or \
             any(r.cur is not None for r in self.in_rings.values())
-
-    def _watch(self) -> tuple[Any, Any, int]:
-        addrs, vals = [], []
-        for p, ring in self.in_rings.items():
-            addrs.append(ring.head)
-            vals.append(lib.hccl_load_acquire(ring.head))
-            ep = self.eps.get(p)
-            if ep is not None and ep.sendq:
-                addrs.append(ep.out.tail)
-                vals.append(lib.hccl_load_acquire(ep.out.tail))
-        return ffi.new("uint64_t *[]", addrs), ffi.new("uint64_t[]", vals), len(addrs)
 
     def spin_until(self, fut: asyncio.Future, peer: int) -> None:
         """Poll the ring from `peer`, spinning in C on its head between polls, until fut is done or the spin

@@ -19,7 +19,7 @@ from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
 from ..netio import recv_into_exact, send_all, tune_socket
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
-from .base import Capability, Endpoint, Matcher, Transport, TransportContext
+from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 
 log = logging.getLogger("hetccl")
 
@@ -30,7 +30,7 @@ class TcpEndpoint(Endpoint):
         self.loop = asyncio.get_running_loop()
         settings = transport.ctx.settings
         self.matcher = Matcher(transport.ctx.rank, peer, settings.unexpected_bytes)
-        self.max_payload = max(settings.unexpected_bytes, 1 << 31)
+        self.max_payload = 1 << 40  # one frame may carry a whole (huge) p2p or all_to_all buffer
         self.timeout = settings.timeout
         self._send_lock = asyncio.Lock()
         self._scratch = np.empty(0, np.uint8)
@@ -42,10 +42,26 @@ class TcpEndpoint(Endpoint):
             raise self.matcher.error
         hdr = pack_data_header(fp, tag, len(src))
         async with self._send_lock:
-            await send_all(self.loop, self.sock, [hdr, src] if len(src) else [hdr], self.peer)
+            try:
+                await send_all(self.loop, self.sock, [hdr, src] if len(src) else [hdr], self.peer)
+            except BaseException as exc:
+                # a frame cut short (cancelled, failed) leaves the byte stream unframed: the connection is
+                # unusable from here on, for every collective
+                err = exc if isinstance(exc, PeerLostError) else PeerLostError(
+                    f"rank {self.matcher.me}: send to rank {self.peer} was interrupted; connection dropped", self.peer)
+                self.sock.close()
+                self.matcher.fail_all(err)
+                self.transport.ctx.on_peer_lost(self.peer, err)
+                raise
 
     def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any = None) -> asyncio.Future:
         return self.matcher.post(fp, tag, dst, reduce)
+
+    async def _discard(self, nbytes: int) -> None:
+        while nbytes > 0:
+            k = min(nbytes, 1 << 20)
+            await recv_into_exact(self.loop, self.sock, memoryview(self._scratch_for(k)), self.peer)
+            nbytes -= k
 
     def _scratch_for(self, n: int) -> np.ndarray:
         if len(self._scratch) < n:
@@ -61,7 +77,9 @@ class TcpEndpoint(Endpoint):
                 await recv_into_exact(loop, sock, hdr_mv, peer)
                 fp, tag, nbytes = unpack_data_header(hdr, self.max_payload)
                 req = m.take(fp, tag, nbytes)
-                if req is not None and req.reduce is None:
+                if req is DROP:
+                    await self._discard(nbytes)
+                elif req is not None and req.reduce is None:
                     await recv_into_exact(loop, sock, memoryview(req.dst), peer)
                     if not req.fut.done():
                         req.fut.set_result(None)
@@ -71,8 +89,6 @@ class TcpEndpoint(Endpoint):
                     req.reduce(req.dst, scratch)
                     if not req.fut.done():
                         req.fut.set_result(None)
-                elif (fp.comm, fp.seq, tag) in m.posted or m.error is not None:
-                    await recv_into_exact(loop, sock, memoryview(self._scratch_for(nbytes)), peer)
                 else:
                     if not m.has_room(nbytes):
                         try:
@@ -82,6 +98,9 @@ class TcpEndpoint(Endpoint):
                                 f"rank {m.me}: {nbytes} bytes from rank {peer} for {fp.describe()} waited "
                                 f"{self.timeout:.0f} s for a matching receive") from None
                         req = m.take(fp, tag, nbytes)
+                        if req is DROP:
+                            await self._discard(nbytes)
+                            continue
                         if req is not None:
                             scratch = self._scratch_for(nbytes)
                             await recv_into_exact(loop, sock, memoryview(scratch), peer)
@@ -90,7 +109,9 @@ class TcpEndpoint(Endpoint):
                     data = m.alloc(nbytes)
                     await recv_into_exact(loop, sock, memoryview(data), peer)
                     req = m.take(fp, tag, nbytes)  # posted while we were reading?
-                    if req is not None:
+                    if req is DROP:
+                        m.release(data)
+                    elif req is not None:
                         req.deliver(data)
                         m.release(data)
                     else:
@@ -122,6 +143,7 @@ class TcpEndpoint(Endpoint):
 
 class TcpTransport(Transport):
     name = "tcp"
+    api_version = 1
     capabilities = Capability.NONE
     priority = 10
 

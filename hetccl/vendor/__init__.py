@@ -1,0 +1,150 @@
+"""Bindings to vendor libraries that are loaded at run time, never linked: NCCL / RCCL (`ccl`) and the
+CUDA / HIP runtimes (`cudart`).
+
+Everything here is cffi ABI mode (`ffi.cdef` + `ffi.dlopen`), so hetccl installs and imports without a
+compiler, a CUDA toolkit or ROCm; a library is only looked for when a GPU transport asks for it, and a
+missing one is a `TransportError` that lists every place searched and what to set.
+
+This package module holds the search helpers that both bindings share; the public entry points are
+`load_nccl()`, `load_rccl()` (hetccl.vendor.ccl) and `load_runtime()` (hetccl.vendor.cudart), also
+reachable here without importing the submodules eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+from typing import Any, NamedTuple
+
+__all__ = ["load_nccl", "load_rccl", "load_runtime"]
+
+
+class Candidate(NamedTuple):
+    """One place a library may be: `label` says where it comes from (for error messages), `path` is a file
+    path or a bare soname handed to the dynamic loader."""
+
+    label: str
+    path: str
+
+
+class Tried(NamedTuple):
+    label: str
+    path: str
+    reason: str
+
+
+def package_dirs(name: str) -> list[str]:
+    """The directories of the top-level package `name` (all of them for a namespace package such as the
+    `nvidia` of NVIDIA's wheels) found on sys.path, without importing the package."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    dirs = list(spec.submodule_search_locations or [])
+    if not dirs and spec.origin:
+        dirs = [os.path.dirname(spec.origin)]
+    seen: list[str] = []
+    for d in dirs:
+        if d not in seen:
+            seen.append(d)
+    return seen
+
+
+def rocm_lib_dirs() -> list[str]:
+    """$ROCM_PATH/lib (and $HIP_PATH/lib), then /opt/rocm/lib, without duplicates."""
+    dirs = []
+    for var in ("ROCM_PATH", "HIP_PATH"):
+        root = os.environ.get(var)
+        if root:
+            dirs.append(os.path.join(root, "lib"))
+    dirs.append("/opt/rocm/lib")
+    out: list[str] = []
+    for d in dirs:
+        if os.path.normpath(d) not in (os.path.normpath(x) for x in out):
+            out.append(d)
+    return out
+
+
+def loaded_in_process(stem: str) -> list[str]:
+    """Files already mapped into this process whose name starts with `stem` (e.g. 'libcudart.so'), in
+    the order they appear in /proc/self/maps: what torch or CuPy loaded before us."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if os.path.basename(path).startswith(stem) and path not in found and os.path.isfile(path):
+                        found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def system_names(find_name: str, sonames: tuple[str, ...]) -> list[str]:
+    """Bare library names for the dynamic loader (LD_LIBRARY_PATH, ldconfig cache, default paths):
+    ctypes.util.find_library's answer first, then the given sonames."""
+    names: list[str] = []
+    try:
+        found = ctypes.util.find_library(find_name)
+    except Exception:  # find_library shells out; never let that break a search
+        found = None
+    if found:
+        names.append(found)
+    for n in sonames:
+        if n not in names:
+            names.append(n)
+    return names
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _dladdr_fn() -> Any:
+    for name in (None, "libdl.so.2"):
+        try:
+            fn = ctypes.CDLL(name).dladdr
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+def file_of_symbol(name: str, symbol: str) -> str | None:
+    """The file the dynamic loader picked for library `name` (a bare soname), found through dladdr on
+    one of its symbols; None when that cannot be told."""
+    try:
+        handle = ctypes.CDLL(name)
+        addr = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+        dladdr = _dladdr_fn()
+        info = _DlInfo()
+        if dladdr is not None and addr and dladdr(addr, ctypes.byref(info)) and info.dli_fname:
+            return os.path.realpath(os.fsdecode(info.dli_fname))
+    except (OSError, AttributeError, ValueError):
+        pass
+    return None
+
+
+def format_tried(tried: list[Tried]) -> str:
+    return "; ".join(f"{t.label} ({t.path}): {t.reason}" for t in tried) or "nothing"
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing hetccl.vendor must not pull in cffi parsing
+    if name in ("load_nccl", "load_rccl"):
+        from . import ccl
+
+        return getattr(ccl, name)
+    if name == "load_runtime":
+        from . import cudart
+
+        return cudart.load_runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
