@@ -16,7 +16,12 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+from ..errors import TransportError
+
+T = TypeVar("T")
 
 __all__ = ["load_nccl", "load_rccl", "load_runtime"]
 
@@ -135,7 +140,59 @@ def file_of_symbol(name: str, symbol: str) -> str | None:
 
 
 def format_tried(tried: list[Tried]) -> str:
-    return "; ".join(f"{t.label} ({t.path}): {t.reason}" for t in tried) or "nothing"
+    return "; ".join(f"{t.label}: {t.reason}" if t.path == "-" else f"{t.label} ({t.path}): {t.reason}"
+                     for t in tried) or "nothing"
+
+
+def name_missing(symbols: list[str], limit: int = 8) -> str:
+    """'a, b, c' or 'a, ..., h and 5 more' for an error message."""
+    if len(symbols) <= limit:
+        return ", ".join(symbols)
+    return f"{', '.join(symbols[:limit])} and {len(symbols) - limit} more"
+
+
+class Unusable(Exception):
+    """A candidate library that exists but cannot serve; args[0] says why."""
+
+
+def short_oserror(exc: OSError) -> str:
+    """dlopen's own message, without cffi's note about find_library."""
+    text = str(exc).split(".  Additionally", 1)[0]
+    if text.startswith("cannot load library '") and "': " in text:
+        text = text.split("': ", 1)[1]
+    return text
+
+
+def search_library(what: str, env: str, default_file: str, candidates: Callable[[], list[Candidate | Tried]],
+                   opener: Callable[[str], T], searched: str, install: str) -> T:
+    """Open the library named by $`env` (only that one: an explicit choice never falls back), else the first
+    candidate that `opener` accepts. Every failure is a TransportError saying what was tried and why each
+    place was refused, and what to install or set."""
+    value = os.environ.get(env, "").strip()
+    if value:
+        path = os.path.join(value, default_file) if os.path.isdir(value) else value
+        if not os.path.exists(path):
+            raise TransportError(
+                f"{env}={value}: no such file. Point {env} at {default_file} (or the directory holding it), "
+                f"or unset it to search {searched}")
+        try:
+            return opener(os.path.abspath(path))
+        except Unusable as exc:
+            raise TransportError(f"{env}={value}: {path} {exc.args[0]}. Point {env} at a working {what} "
+                                 f"({default_file}), or unset it to search {searched}") from None
+    tried: list[Tried] = [Tried(env, "-", "not set")]
+    for cand in candidates():
+        if isinstance(cand, Tried):
+            tried.append(cand)
+            continue
+        if os.sep in cand.path and not os.path.exists(cand.path):
+            tried.append(Tried(cand.label, cand.path, "no such file"))
+            continue
+        try:
+            return opener(cand.path)
+        except Unusable as exc:
+            tried.append(Tried(cand.label, cand.path, exc.args[0]))
+    raise TransportError(f"no usable {what} found: tried {format_tried(tried)}. {install}")
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing hetccl.vendor must not pull in cffi parsing
