@@ -60,6 +60,10 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     fabric = await Fabric.create(ident, settings)
     comm = Communicator(fabric, 1, list(range(ident.world_size)))
     comm._fabric_owner = True
+    if comm._islands > 1:  # heterogeneous job: island and leader sub-communicators, built collectively now
+        from .gpu import dispatch
+
+        await dispatch.build_layout(comm)
     return comm
 
 

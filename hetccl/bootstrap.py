@@ -44,6 +44,19 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot[:8]}/{netns}"
 
 
+def island_label() -> str:
+    """This rank's island: HETCCL_ISLAND, else the GPU vendor whose device nodes this host has, else cpu.
+    Ranks with different labels never share a vendor CCL (how heterogeneity is emulated on one vendor)."""
+    label = os.environ.get("HETCCL_ISLAND", "").strip()
+    if label:
+        return label
+    if os.path.exists("/dev/nvidiactl"):
+        return "nvidia"
+    if os.path.exists("/dev/kfd"):
+        return "amd"
+    return "cpu"
+
+
 @dataclass
 class Topology:
     hosts: list[str]  # host id of every rank
@@ -119,7 +132,7 @@ class Fabric:
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "transports": records}
+                "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = [mine if r == rank else await self.store.get(f"{self.job}/rank/{r}")
                         for r in range(size)]

@@ -14,12 +14,23 @@ from .algorithms import direct, latency, ring
 from .bootstrap import Fabric
 from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
 from .errors import ConfigError, HetcclError
+from .gpu.buffers import is_device
 from .scheduler import CollCtx, Watchdog, run_collective
 from .wire import CollOp, Fingerprint
 
 P2P_TAG = 0xFFFF << 48
 P2P_SPACE = 1 << 31  # p2p frames use comm id | P2P_SPACE: their sequence numbers never meet a collective's
 _NO_DTYPE, _NO_OP = 255, 255
+
+
+def _any_device(*objs: Any) -> bool:
+    return any(o is not None and type(o) is not np.ndarray and is_device(o) for o in objs)
+
+
+async def _gpu(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]) -> None:
+    from .gpu import dispatch
+
+    await dispatch.collective(comm, name, args, kwargs, outputs)
 
 
 class _ScratchPool:
@@ -63,6 +74,8 @@ class Communicator:
         self._kind = fabric.transport_kind(members)
         self._children: list[Communicator] = []
         self._watchdog = Watchdog()
+        self._gpu_layout: Any = None  # island layout (gpu.dispatch.Layout)
+        self._islands = len({fabric.records[g].get("island", "cpu") for g in members}) if fabric.records else 1
         self._algo_cache: dict[tuple[str, int], str] = {}
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -102,6 +115,18 @@ class Communicator:
     # ---- collectives ---------------------------------------------------------------------------------
     async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """In place: every rank ends with the reduction of all ranks' `buf`."""
+        if self._islands > 1:
+            from .gpu import dispatch
+
+            return await dispatch.hierarchical_all_reduce(self, buf, op)
+        if type(buf) is not np.ndarray and is_device(buf):
+            from .gpu import dispatch
+
+            return await dispatch.all_reduce(self, buf, op)
+        await self._all_reduce_flat(buf, op)
+
+    async def _all_reduce_flat(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
+        """all_reduce of host memory with hetccl's own algorithms, whatever the islands."""
         b, rop = as_buf(buf, "buf"), parse_op(op)
         fp = self._fp(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
         ctx = CollCtx(self, fp, b.dtype, rop)
@@ -110,6 +135,8 @@ class Communicator:
 
     async def all_gather(self, out: Any, inp: Any) -> None:
         """out (size * len(inp) elements) receives every rank's inp, rank-major."""
+        if _any_device(out, inp):
+            return await _gpu(self, "all_gather", [out, inp], {}, [0])
         o, i = as_buf(out, "out"), as_buf(inp, "inp", writable=False)
         self._same_dtype(o, i)
         if o.count != self.size * i.count:
@@ -126,6 +153,8 @@ class Communicator:
 
     async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """out (k elements) receives block `rank` of the reduction of every rank's inp (size * k)."""
+        if _any_device(out, inp):
+            return await _gpu(self, "reduce_scatter", [out, inp], {"op": op}, [0])
         o, i, rop = as_buf(out, "out"), as_buf(inp, "inp", writable=False), parse_op(op)
         self._same_dtype(o, i)
         if i.count != self.size * o.count:
@@ -146,6 +175,8 @@ class Communicator:
 
     async def broadcast(self, buf: Any, root: int = 0) -> None:
         """Every rank's buf becomes root's buf."""
+        if _any_device(buf):
+            return await _gpu(self, "broadcast", [buf], {"root": root}, [0])
         root = self._root(root)
         b = as_buf(buf, "buf", writable=(self.rank != root))
         fp = self._fp(CollOp.BROADCAST, b.dtype, b.count, root)
@@ -155,6 +186,8 @@ class Communicator:
 
     async def reduce(self, buf: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """root's buf becomes the reduction of every rank's buf; other ranks' buffers are left unchanged."""
+        if _any_device(buf):
+            return await _gpu(self, "reduce", [buf], {"root": root, "op": op}, [0])
         root = self._root(root)
         b, rop = as_buf(buf, "buf", writable=(self.rank == root)), parse_op(op)
         fp = self._fp(CollOp.REDUCE, b.dtype, b.count, root, rop)
@@ -175,6 +208,8 @@ class Communicator:
 
     async def all_to_all(self, out: Any, inp: Any) -> None:
         """Block p of every rank's inp goes to rank p, landing in block `sender` of its out."""
+        if _any_device(out, inp):
+            return await _gpu(self, "all_to_all", [out, inp], {}, [0])
         o, i = as_buf(out, "out"), as_buf(inp, "inp", writable=False)
         self._same_dtype(o, i)
         if o.count != i.count or i.count % self.size:
@@ -186,6 +221,8 @@ class Communicator:
 
     async def gather(self, out: Any, inp: Any, root: int = 0) -> None:
         """root's out (size * len(inp)) receives every rank's inp, rank-major; out may be None elsewhere."""
+        if _any_device(out, inp):
+            return await _gpu(self, "gather", [out, inp], {"root": root}, [0])
         root = self._root(root)
         i = as_buf(inp, "inp", writable=False)
         o = None
@@ -201,6 +238,8 @@ class Communicator:
 
     async def scatter(self, out: Any, inp: Any, root: int = 0) -> None:
         """Block p of root's inp (size * len(out)) lands in rank p's out; inp may be None off root."""
+        if _any_device(out, inp):
+            return await _gpu(self, "scatter", [out, inp], {"root": root}, [0])
         root = self._root(root)
         o = as_buf(out, "out")
         i = None
@@ -254,7 +293,7 @@ class Communicator:
         await run_collective(self, fp, body)
 
     # ---- groups --------------------------------------------------------------------------------------
-    async def split(self, color: int | None, key: int = 0) -> Communicator | None:
+    async def split(self, color: int | None, key: int = 0, _layout: bool = True) -> Communicator | None:
         """Collective: ranks with the same color form a new communicator, ordered by (key, rank).
         color None -> this rank joins none and gets None."""
         self._check_open()
@@ -272,6 +311,10 @@ class Communicator:
         child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
         child = Communicator(self._fabric, child_id if child_id > 1 else child_id + 2, global_members)
         self._children.append(child)
+        if _layout and child._islands > 1:  # collective among the child's members, right at its creation
+            from .gpu import dispatch
+
+            await dispatch.build_layout(child)
         return child
 
     def _same_dtype(self, a: Buf, b: Buf) -> None:

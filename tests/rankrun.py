@@ -17,8 +17,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 RANK_MAIN = r"""
-import asyncio, json, sys, importlib
+import asyncio, json, os, sys, importlib
 sys.path.insert(0, {tests!r})
+if os.environ.get("TEST_ISLANDS"):  # per-rank island labels for heterogeneous tests: "nvidia,nvidia,cpu,cpu"
+    os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["HETCCL_RANK"])]
 import hetccl
 mod, fn = {target!r}.split(":")
 kwargs = json.loads({kwargs!r})

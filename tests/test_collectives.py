@@ -77,3 +77,13 @@ def test_signed_zero_ties_agree_bitwise(n: int, algo: str) -> None:
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 def test_p2p_beside_collective(transport: str) -> None:
     run_ranks(3, "workers:p2p_beside_collective", env=TRANSPORTS[transport])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("islands", ["cpu-a,cpu-b", "cpu-a,cpu-a,cpu-b", "cpu-a,cpu-b,cpu-a,cpu-b"])
+def test_islands_on_cpu_take_the_hierarchical_path(islands: str) -> None:
+    """Ranks labelled as different islands (HETCCL_ISLAND) all_reduce hierarchically — reduce inside each
+    island, all_reduce among island leaders, broadcast inside — on host memory; results are unchanged."""
+    n = islands.count(",") + 1
+    run_ranks(n, "workers:matrix", env={"TEST_ISLANDS": islands}, timeout=280, counts=[0, 1, 7, 33, 5000],
+              dtypes=["int32", "bfloat16", "float32", "float64"], ops=["sum", "min", "avg"])

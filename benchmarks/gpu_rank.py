@@ -1,0 +1,117 @@
+"""One rank of the GPU benchmark (launched by gpu_compare.py through `hetccl run`).
+
+Backends: hetccl (islands from --islands, one label per rank), torch-nccl, torch-gloo (CUDA tensors). Method:
+a host barrier, then the all_reduce and its completion on the device; time = median over iterations of the
+slowest rank; busbw = algbw * 2(n-1)/n; the first result of every size is checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+
+def sizes(lo: int, hi: int, f: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= f
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", required=True, choices=["hetccl", "torch-nccl", "torch-gloo"])
+    p.add_argument("--islands", default="")
+    p.add_argument("--min-bytes", type=int, default=4096)
+    p.add_argument("--max-bytes", type=int, default=256 << 20)
+    p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", required=True)
+    a = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    if a.islands:
+        os.environ["HETCCL_ISLAND"] = a.islands.split(",")[rank]
+    rows = []
+    if a.backend == "hetccl":
+        import hetccl
+
+        async def run() -> None:
+            comm = await hetccl.init()
+            for size in sizes(a.min_bytes, a.max_bytes, a.factor):
+                rows.append(await measure_async(comm, size, a.iters, world, rank))
+            await comm.close()
+
+        hetccl.run(run())
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if a.backend == "torch-nccl" else "gloo")
+        for size in sizes(a.min_bytes, a.max_bytes, a.factor):
+            rows.append(measure_torch(dist, size, a.iters, world, rank))
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(a.json, "w") as f:
+            json.dump(rows, f)
+
+
+def _iters(size: int, iters: int) -> int:
+    return max(5, min(iters, int(2e9 // max(size, 1))))
+
+
+async def measure_async(comm, size: int, iters: int, n: int, rank: int) -> dict:
+    count = size // 4
+    x = torch.full((count,), float(rank + 1), device="cuda")
+    await comm.all_reduce(x)
+    wrong = int((x != n * (n + 1) / 2).sum())
+    for _ in range(3):
+        await comm.all_reduce(x)
+    k = _iters(size, iters)
+    times = np.zeros(k)
+    for i in range(k):
+        await comm.barrier()
+        t = time.perf_counter()
+        await comm.all_reduce(x)  # returns once the result is complete on the device
+        times[i] = time.perf_counter() - t
+    await comm._all_reduce_flat(times, op="max")
+    return row(size, n, times, wrong)
+
+
+def measure_torch(dist, size: int, iters: int, n: int, rank: int) -> dict:
+    count = size // 4
+    x = torch.full((count,), float(rank + 1), device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    wrong = int((x != n * (n + 1) / 2).sum())
+    for _ in range(3):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    k = _iters(size, iters)
+    times = torch.zeros(k, dtype=torch.float64)
+    for i in range(k):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        times[i] = time.perf_counter() - t
+    times = times.cuda() if dist.get_backend() == "nccl" else times
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return row(size, n, times.cpu().numpy(), wrong)
+
+
+def row(size: int, n: int, times, wrong: int) -> dict:
+    t = statistics.median(list(times))
+    algbw = size / t / 1e9
+    return {"size": size, "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n, "wrong": wrong}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Device-buffer collectives: the vendor CCL inside one island, the hierarchical path across islands.
+
+Islands: every rank carries a label (HETCCL_ISLAND, else "nvidia"/"amd" when such a GPU is present, else
+"cpu"). Ranks with different labels never share a vendor CCL. Within one communicator:
+
+- one GPU island: the collective runs in the vendor CCL (NCCL/RCCL) on the caller's current stream;
+- several islands: all_reduce is hierarchical — a reduce to each island's leader inside the island (vendor
+  CCL, or hetccl's host algorithms on a CPU island), an all_reduce among the leaders over hetccl's own
+  point-to-point transports with device data staged through pinned host memory chunk by chunk (device-to-
+  host copy of chunk k+1 overlapping the exchange of chunk k and the host-to-device copy of chunk k-1),
+  then a broadcast inside each island. The other collectives stage whole buffers through host memory and run
+  hetccl's flat algorithms.
+
+Every rank of a communicator must pass the same kind of memory as the other ranks of its island (device
+buffers on GPU islands, host buffers on CPU islands).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..dtypes import ReduceOp, parse_op
+from ..errors import ConfigError
+from .buffers import DeviceBuf, as_device_buf, is_device
+from .runtime import as_tensor, divide_inplace, stream_of, torch_mod, wait_event
+from .vendor_comm import VendorComm
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
+STAGE_CHUNK = 8 << 20
+
+
+def vendor_of(label: str) -> str | None:
+    """'nvidia', 'amd' or None (CPU) for an island label; custom labels take the vendor of their prefix
+    ('nvidia-a' is an NVIDIA island named a)."""
+    base = label.split("-", 1)[0].split(":", 1)[0].lower()
+    return GPU_LABELS.get(base)
+
+
+@dataclass
+class Layout:
+    labels: list[str]
+    islands: list[list[int]]  # comm ranks of each island, islands ordered by their lowest rank
+    mine: int  # index of my island
+    island_comm: Any = None  # hetccl communicator of my island (None when it is the whole communicator)
+    leaders: Any = None  # hetccl communicator of the island leaders (None off leaders / single island)
+    vendor_comms: dict[int, VendorComm] = field(default_factory=dict)
+
+    @property
+    def single(self) -> bool:
+        return len(self.islands) == 1
+
+    @property
+    def my_members(self) -> list[int]:
+        return self.islands[self.mine]
+
+
+async def build_layout(comm: Communicator) -> Layout:
+    """Collective over `comm` (called when it is created): its islands and, with several, the island and
+    leader sub-communicators that the hierarchical path uses."""
+    recs = comm._fabric.records
+    labels = [recs[g].get("island", "cpu") for g in comm._members]
+    order: dict[str, list[int]] = {}
+    for r, lab in enumerate(labels):
+        order.setdefault(lab, []).append(r)
+    islands = list(order.values())
+    mine = next(i for i, m in enumerate(islands) if comm.rank in m)
+    lay = Layout(labels, islands, mine)
+    if len(islands) > 1 and all(len(m) == 1 for m in islands):
+        lay.leaders = comm  # every island is one rank: everybody leads
+    elif len(islands) > 1:  # collective: every rank builds the same layout at the same point
+        lay.island_comm = await comm.split(mine, key=comm.rank, _layout=False)
+        lay.leaders = await comm.split(0 if comm.rank == islands[mine][0] else None, key=mine, _layout=False)
+    comm._gpu_layout = lay
+    return lay
+
+
+async def layout(comm: Communicator) -> Layout:
+    return comm._gpu_layout if comm._gpu_layout is not None else await build_layout(comm)
+
+
+async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm:
+    vc = lay.vendor_comms.get(buf.device)
+    if vc is None:
+        label = lay.labels[comm.rank]
+        vendor = vendor_of(label)
+        if vendor is None:
+            raise ConfigError(f"rank {comm.rank} is on CPU island {label!r} but passed device memory; pass host "
+                              "memory, or set HETCCL_ISLAND to a GPU label (e.g. nvidia)")
+        members = lay.my_members
+        sub = lay.island_comm or comm
+        fab = comm._fabric
+        key = f"{fab.job}/vendor/{sub.comm_id}/{buf.device}"
+        vc = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members), buf.device,
+                                     comm._settings.timeout)
+        lay.vendor_comms[buf.device] = vc
+    return vc
+
+
+def _deadline(comm: Communicator) -> float:
+    return asyncio.get_running_loop().time() + comm._settings.timeout
+
+
+async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
+    """Device buffer on a single-island communicator: the vendor CCL, on the caller's stream."""
+    rop = parse_op(op)
+    buf = as_device_buf(obj, "buf")
+    comm._fp(1, buf.dtype, buf.count, -1, rop)  # keeps the sequence in step with host-path collectives
+    lay = await layout(comm)
+    vc = await _vendor(comm, lay, buf)
+    await vc.run(lambda s: vc.lib.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, vc.comm, s),
+                 stream_of(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
+
+
+async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
+    """Several islands: reduce to each island's leader, all_reduce among leaders (device data staged through
+    pinned host memory), broadcast inside each island. Host buffers (CPU islands) take the same steps with
+    hetccl's host algorithms, so every rank runs the same sequence of collectives."""
+    rop = parse_op(op)
+    lay = await layout(comm)
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    members = lay.my_members
+    if not is_device(obj):
+        from ..dtypes import as_buf
+
+        b = as_buf(obj, "buf")
+        comm._fp(1, b.dtype, b.count, -1, rop)
+        if len(members) > 1:
+            await lay.island_comm.reduce(obj, root=0, op=inner)
+        if lay.leaders is not None and lay.leaders.size > 1:
+            # the same chunks as a GPU leader's staging, so every leader issues the same collectives
+            from ..dtypes import Buf
+
+            isz = b.dtype.itemsize
+            step = STAGE_CHUNK // isz
+            for off in range(0, max(b.count, 1), step):
+                part = b.data[off * isz:(off + step) * isz]
+                await lay.leaders._all_reduce_flat(Buf(part, b.dtype, len(part) // isz, obj), op=inner)
+        if len(members) > 1:
+            await lay.island_comm.broadcast(obj, root=0)
+        if rop == ReduceOp.AVG:
+            from .. import native
+
+            native.divide(b.data, b.dtype, comm.size)
+        return
+    buf = as_device_buf(obj, "buf")
+    comm._fp(1, buf.dtype, buf.count, -1, rop)
+    stream = stream_of(buf)
+    t = as_tensor(buf)
+    if len(members) > 1:
+        vc = await _vendor(comm, lay, buf)
+        await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
+                     stream, _deadline(comm), "island reduce")
+    if lay.leaders is not None and lay.leaders.size > 1:
+        await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+    if len(members) > 1:
+        vc = await _vendor(comm, lay, buf)
+        await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, 0, vc.comm, s),
+                     stream, _deadline(comm), "island broadcast")
+    if rop == ReduceOp.AVG:
+        torch = torch_mod()
+        with torch.cuda.stream(stream):
+            divide_inplace(t, comm.size)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        await wait_event(ev, _deadline(comm), "avg division")
+
+
+async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk."""
+    torch = torch_mod()
+    raw = t.view(torch.uint8)
+    n = raw.numel()
+    if n == 0:
+        await leaders._all_reduce_flat(t.cpu(), op=op)
+        return
+    isz = t.element_size()
+    chunk = (STAGE_CHUNK // isz) * isz
+    d2h, h2d = torch.cuda.Stream(device=t.device), torch.cuda.Stream(device=t.device)
+    d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
+    pinned = [torch.empty(min(chunk, n), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+    free = [asyncio.Event() for _ in pinned]
+    for ev in free:
+        ev.set()
+    tasks = []
+
+    async def exchange(i: int, off: int, size: int, slot: int, copied: Any) -> None:
+        await wait_event(copied, deadline, "device-to-host staging")
+        host = pinned[slot][:size]
+        await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
+        with torch.cuda.stream(h2d):
+            raw[off: off + size].copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(h2d)
+        await wait_event(done, deadline, "host-to-device staging")
+        free[slot].set()
+
+    for i, off in enumerate(range(0, n, chunk)):
+        size = min(chunk, n - off)
+        slot = i % len(pinned)
+        await free[slot].wait()
+        free[slot].clear()
+        with torch.cuda.stream(d2h):
+            pinned[slot][:size].copy_(raw[off: off + size], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(d2h)
+        tasks.append(asyncio.ensure_future(exchange(i, off, size, slot, copied)))
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    stream.wait_stream(h2d)  # work queued after the collective sees the result
+
+
+async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]
+                 ) -> None:
+    """Run a host-path collective on host copies of device buffers and copy the outputs back."""
+    torch = torch_mod()
+    host_args: list[Any] = []
+    for a in args:
+        if a is not None and is_device(a):
+            buf = as_device_buf(a)
+            host_args.append(as_tensor(buf).to("cpu").contiguous())
+        else:
+            host_args.append(a)
+    await getattr(comm, name)(*host_args, **kwargs)
+    for i in outputs:
+        if args[i] is not None and is_device(args[i]):
+            dev = as_tensor(as_device_buf(args[i]))
+            dev.copy_(host_args[i].reshape(-1))
+    torch.cuda.current_stream().synchronize() if torch.cuda.is_available() else None
+
+
+VENDOR_OPS = ("all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]
+                     ) -> None:
+    """Device buffers for any collective but all_reduce: the vendor CCL on one GPU island, else staging."""
+    lay = await layout(comm)
+    if not lay.single or name not in VENDOR_OPS or vendor_of(lay.labels[comm.rank]) is None:
+        await staged(comm, name, args, kwargs, outputs)
+        return
+    deadline = _deadline(comm)
+    if name == "broadcast":
+        buf = as_device_buf(args[0], "buf")
+        root = int(kwargs.get("root", args[1] if len(args) > 1 else 0))
+        comm._fp(4, buf.dtype, buf.count, root)
+        vc = await _vendor(comm, lay, buf)
+        await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, vc.comm, s),
+                     stream_of(buf), deadline, "broadcast")
+    elif name == "reduce":
+        buf = as_device_buf(args[0], "buf")
+        root = int(kwargs.get("root", args[1] if len(args) > 1 else 0))
+        rop = parse_op(kwargs.get("op", args[2] if len(args) > 2 else "sum"))
+        comm._fp(5, buf.dtype, buf.count, root, rop)
+        vc = await _vendor(comm, lay, buf)
+        # NCCL writes the result on root only; other ranks' buffers are left as they were
+        await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, root, vc.comm, s),
+                     stream_of(buf), deadline, "reduce")
+    elif name == "all_gather":
+        out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
+        if out.count != comm.size * inp.count:
+            raise ConfigError(f"all_gather: out has {out.count} elements, needs size*len(inp) = "
+                              f"{comm.size * inp.count}")
+        comm._fp(2, out.dtype, inp.count)
+        vc = await _vendor(comm, lay, out)
+        await vc.run(lambda s: vc.lib.all_gather(inp.ptr, out.ptr, inp.count, out.dtype, vc.comm, s),
+                     stream_of(out), deadline, "all_gather")
+    else:  # reduce_scatter
+        out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
+        rop = parse_op(kwargs.get("op", args[2] if len(args) > 2 else "sum"))
+        if inp.count != comm.size * out.count:
+            raise ConfigError(f"reduce_scatter: inp has {inp.count} elements, needs size*len(out) = "
+                              f"{comm.size * out.count}")
+        comm._fp(3, out.dtype, out.count, -1, rop)
+        vc = await _vendor(comm, lay, out)
+        await vc.run(lambda s: vc.lib.reduce_scatter(inp.ptr, out.ptr, out.count, out.dtype, rop, vc.comm, s),
+                     stream_of(out), deadline, "reduce_scatter")

@@ -1,0 +1,87 @@
+"""Device-side helpers on top of PyTorch's CUDA/HIP runtime: streams, events, pinned staging buffers and
+element-wise reductions on the device. CuPy arrays and __cuda_array_interface__ buffers are viewed as torch
+tensors without a copy (DLPack / the interface), so one code path serves them all."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..dtypes import DType, ReduceOp
+from ..errors import CollectiveTimeout, ConfigError
+from .buffers import DeviceBuf
+
+_TORCH_DTYPES: dict[DType, Any] = {}
+
+
+def torch_mod() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("device buffers need PyTorch for hetccl's staging and reductions "
+                          "(pip install torch); CuPy-only set-ups are not supported yet") from None
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update({DType.INT8: torch.int8, DType.UINT8: torch.uint8, DType.INT32: torch.int32,
+                              DType.INT64: torch.int64, DType.FLOAT16: torch.float16,
+                              DType.BFLOAT16: torch.bfloat16, DType.FLOAT32: torch.float32,
+                              DType.FLOAT64: torch.float64})
+    return torch
+
+
+def as_tensor(buf: DeviceBuf) -> Any:
+    """A flat torch tensor sharing the device buffer's memory."""
+    torch = torch_mod()
+    obj = buf.obj
+    if buf.framework == "torch":
+        return obj.reshape(-1)
+    if buf.framework == "cupy":
+        return torch.from_dlpack(obj).reshape(-1)
+    return torch.as_tensor(obj, device="cuda").reshape(-1)
+
+
+def torch_dtype(dt: DType) -> Any:
+    torch_mod()
+    return _TORCH_DTYPES[dt]
+
+
+def stream_of(buf: DeviceBuf) -> Any:
+    torch = torch_mod()
+    if buf.framework == "torch":
+        return torch.cuda.current_stream(buf.device)
+    if buf.stream:
+        return torch.cuda.ExternalStream(buf.stream, device=buf.device if buf.device >= 0 else None)
+    return torch.cuda.current_stream()
+
+
+def reduce_inplace(dst: Any, src: Any, op: ReduceOp) -> None:
+    """dst = dst OP src on the device (current stream). fp16/bf16 kernels compute each element in fp32."""
+    torch = torch_mod()
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        dst.add_(src)
+    elif op == ReduceOp.PROD:
+        dst.mul_(src)
+    elif op == ReduceOp.MIN:
+        torch.minimum(dst, src, out=dst)
+    else:
+        torch.maximum(dst, src, out=dst)
+
+
+def divide_inplace(t: Any, divisor: int) -> None:
+    if t.is_floating_point():
+        t.div_(divisor)
+    else:
+        t.copy_(torch_mod().div(t, divisor, rounding_mode="trunc"))
+
+
+async def wait_event(event: Any, deadline: float, what: str, poll: Any = None) -> None:
+    """Await a CUDA event without blocking the loop or synchronising the device; `poll()` may raise (e.g. a
+    vendor CCL's asynchronous error)."""
+    loop = asyncio.get_running_loop()
+    spins = 0
+    while not event.query():
+        if poll is not None:
+            poll()
+        if loop.time() > deadline:
+            raise CollectiveTimeout(f"{what} did not complete on the device before the deadline (HETCCL_TIMEOUT)")
+        spins += 1
+        await asyncio.sleep(0 if spins < 200 else 0.0001)

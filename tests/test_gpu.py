@@ -1,0 +1,43 @@
+"""GPU collectives: one island (vendor CCL), two islands (hetccl's cross-island path), GPUs plus CPU ranks.
+
+They need CUDA devices and the NCCL library; on CPU-only machines (CI) they skip with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from rankrun import run_ranks
+
+
+def _gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+NGPU = _gpus()
+needs_2 = pytest.mark.skipif(NGPU < 2, reason=f"needs 2 CUDA GPUs (found {NGPU}); runs on the GPU machine")
+COUNTS = [0, 1, 7, 1000, 1 << 20]
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@needs_2
+@pytest.mark.timeout(600)
+def test_two_gpus_one_island() -> None:
+    run_ranks(2, "gpu_workers:gpu_matrix", env=dict(GPU_ENV, TEST_ISLANDS="nvidia,nvidia"), timeout=580,
+              counts=COUNTS)
+
+
+@needs_2
+@pytest.mark.timeout(600)
+def test_two_gpus_two_islands() -> None:
+    run_ranks(2, "gpu_workers:gpu_matrix", env=dict(GPU_ENV, TEST_ISLANDS="nvidia-a,nvidia-b"), timeout=580,
+              counts=COUNTS)
+
+
+@needs_2
+@pytest.mark.timeout(600)
+def test_two_gpus_and_two_cpu_ranks() -> None:
+    run_ranks(4, "gpu_workers:gpu_matrix", env=dict(GPU_ENV, TEST_ISLANDS="nvidia,nvidia,cpu,cpu"), timeout=580,
+              counts=[0, 1, 7, 1000, 100_003], dtypes=["float32", "bfloat16", "int64", "float16"])
