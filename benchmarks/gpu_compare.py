@@ -24,6 +24,7 @@ def run(name: str, backend: str, extra_env: dict[str, str], islands: str, args: 
         tmp: Path) -> list[dict]:
     out = tmp / f"{name}.json"
     env = dict(os.environ, **SAFE, **extra_env)
+    env.setdefault("HETCCL_TIMEOUT", "60")
     cmd = [sys.executable, "-m", "hetccl", "run", "-n", str(args.nprocs), "--", sys.executable,
            str(HERE / "gpu_rank.py"), "--backend", backend, "--json", str(out), "--max-bytes", str(args.max_bytes),
            "--iters", str(args.iters)]

@@ -94,7 +94,8 @@ async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm
         members = lay.my_members
         sub = lay.island_comm or comm
         fab = comm._fabric
-        key = f"{fab.job}/vendor/{sub.comm_id}/{buf.device}"
+        # the same key on every island member (their devices differ): the island's n-th vendor communicator
+        key = f"{fab.job}/vendor/{sub.comm_id}/{len(lay.vendor_comms)}"
         vc = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members), buf.device,
                                      comm._settings.timeout)
         lay.vendor_comms[buf.device] = vc
