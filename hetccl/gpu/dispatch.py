@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..dtypes import ReduceOp, parse_op
 from ..errors import ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
-from .runtime import as_tensor, divide_inplace, stream_of, torch_mod, wait_event
+from .runtime import as_tensor, divide_inplace, staging, stream_of, torch_mod, wait_event
 from .vendor_comm import VendorComm
 
 if TYPE_CHECKING:
@@ -181,9 +181,8 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         return
     isz = t.element_size()
     chunk = (STAGE_CHUNK // isz) * isz
-    d2h, h2d = torch.cuda.Stream(device=t.device), torch.cuda.Stream(device=t.device)
+    pinned, d2h, h2d = staging(t.device, chunk, 3)
     d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
-    pinned = [torch.empty(min(chunk, n), dtype=torch.uint8, pin_memory=True) for _ in range(3)]
     free = [asyncio.Event() for _ in pinned]
     for ev in free:
         ev.set()

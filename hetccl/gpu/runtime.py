@@ -33,10 +33,14 @@ def as_tensor(buf: DeviceBuf) -> Any:
     torch = torch_mod()
     obj = buf.obj
     if buf.framework == "torch":
-        return obj.reshape(-1)
-    if buf.framework == "cupy":
-        return torch.from_dlpack(obj).reshape(-1)
-    return torch.as_tensor(obj, device="cuda").reshape(-1)
+        flat = obj.reshape(-1)
+    elif buf.framework == "cupy":
+        flat = torch.from_dlpack(obj).reshape(-1)
+    else:
+        flat = torch.as_tensor(obj, device="cuda").reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # 0/1-element views may carry stride 0
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat
 
 
 def torch_dtype(dt: DType) -> Any:
@@ -79,9 +83,27 @@ async def wait_event(event: Any, deadline: float, what: str, poll: Any = None) -
     loop = asyncio.get_running_loop()
     spins = 0
     while not event.query():
-        if poll is not None:
-            poll()
-        if loop.time() > deadline:
-            raise CollectiveTimeout(f"{what} did not complete on the device before the deadline (HETCCL_TIMEOUT)")
         spins += 1
-        await asyncio.sleep(0 if spins < 200 else 0.0001)
+        if poll is not None and spins % 16 == 0:
+            poll()
+        if spins % 256 == 0 and loop.time() > deadline:
+            raise CollectiveTimeout(f"{what} did not complete on the device before the deadline (HETCCL_TIMEOUT)")
+        # yield to the loop (other collectives, transports) but keep polling: a GPU collective finishes in
+        # microseconds to milliseconds, and a timed sleep would add its whole granularity to each one
+        await asyncio.sleep(0 if spins < 200_000 else 0.0005)
+
+
+_STAGING: dict[tuple[int, int], Any] = {}
+
+
+def staging(device: Any, nbytes: int, slots: int) -> tuple[list[Any], Any, Any]:
+    """Pinned host buffers and two copy streams for a device, allocated once (pinned allocation costs
+    milliseconds: never on the hot path)."""
+    torch = torch_mod()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
+    cached = _STAGING.get(key)
+    if cached is None or cached[0][0].numel() < nbytes:
+        bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        cached = (bufs, torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        _STAGING[key] = cached
+    return cached

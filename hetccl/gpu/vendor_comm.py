@@ -51,6 +51,7 @@ class VendorComm:
     async def _settle(self, deadline: float, what: str) -> None:
         """Non-blocking communicators: wait until the last call is no longer in progress."""
         loop = asyncio.get_running_loop()
+        spins = 0
         while True:
             state = self.lib.comm_get_async_error(self.comm)
             if state == 0:
@@ -61,7 +62,8 @@ class VendorComm:
             if loop.time() > deadline:
                 self.abort()
                 raise CollectiveTimeout(f"{what} did not finish before the deadline; a peer is missing or stuck")
-            await asyncio.sleep(0.0005)
+            spins += 1
+            await asyncio.sleep(0 if spins < 20_000 else 0.0005)
 
     async def run(self, enqueue: Callable[[int], Any], stream: Any, deadline: float, what: str) -> None:
         """Enqueue one operation (enqueue(stream_handle)) and await its completion on the device."""
