@@ -92,12 +92,18 @@ async def gpu_matrix(comm: hetccl.Communicator, counts: list[int], dtypes: list[
             y = x * 2  # queued after: must see the sum
         s.synchronize()
         assert float(y[0]) == 2 * n * (n + 1) / 2, float(y[0])
+    else:  # CPU ranks join the same collectives with host memory
+        x = np.full(1 << 20, float(r + 1), np.float32)
+        await comm.all_reduce(x)
+        assert x[0] == n * (n + 1) / 2, x[0]
+    c = np.full(1000, r + 1, dtype=np.float32)
+    if gpu:
         try:
             import cupy
 
-            c = cupy.full(1000, r + 1, dtype=cupy.float32)
-            await comm.all_reduce(c)
-            assert float(c[0]) == n * (n + 1) / 2
+            c = cupy.asarray(c)  # CuPy arrays travel through __cuda_array_interface__ / DLPack
         except ImportError:
-            pass
+            c = to_dev(c, "float32", True)
+    await comm.all_reduce(c)
+    assert float(c[0]) == n * (n + 1) / 2, c[0]
     await comm.barrier()

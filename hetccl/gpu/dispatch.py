@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..communicator import Communicator
 
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
-STAGE_CHUNK = 8 << 20
+STAGE_CHUNK = 4 << 20  # one chunk of the cross-island pipeline (host all_reduce stays on recursive doubling)
 
 
 def vendor_of(label: str) -> str | None:

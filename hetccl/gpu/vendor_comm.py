@@ -37,10 +37,18 @@ class VendorComm:
             await store.set(key, uid)
         else:
             uid = await store.get(key, timeout=timeout)
-        comm = lib.comm_init_rank(size, uid, rank, lib.new_config(blocking=0))
-        self = cls(lib, comm, rank, size, device)
-        await self._settle(asyncio.get_running_loop().time() + timeout, f"{lib.name} communicator init")
-        return self
+        def init() -> Any:
+            torch.cuda.set_device(device)
+            return lib.comm_init_rank(size, uid, rank)
+
+        # a blocking communicator (its collectives enqueue synchronously, the fastest launch path), initialised
+        # in a worker thread so that the event loop keeps running and the wait has a deadline
+        try:
+            comm = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, init), timeout)
+        except TimeoutError:
+            raise CollectiveTimeout(f"{lib.name} communicator init (rank {rank} of {size}) did not finish in "
+                                    f"{timeout:.0f} s; a peer of the island is missing or stuck") from None
+        return cls(lib, comm, rank, size, device)
 
     def poll(self) -> None:
         state = self.lib.comm_get_async_error(self.comm)
