@@ -15,13 +15,7 @@ import time
 import numpy as np
 import torch
 
-
-def sizes(lo: int, hi: int, f: int) -> list[int]:
-    out, s = [], lo
-    while s <= hi:
-        out.append(s)
-        s *= f
-    return out
+from benchcommon import sizes
 
 
 def main() -> None:
