@@ -74,24 +74,32 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--out", default=str(HERE / "results" / "gpu.md"))
     p.add_argument("--skip-gloo", action="store_true")
+    p.add_argument("--only", choices=["one", "two"], default=None, help="run one part of the comparison")
     args = p.parse_args()
     n = args.nprocs
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        one = {"hetccl (1 island)": run("hetccl-1island", "hetccl", {}, ",".join(["nvidia"] * n), args, tmp),
-               "torch nccl": run("torch-nccl", "torch-nccl", {}, "", args, tmp)}
-        two = {"hetccl (2 islands)": run("hetccl-2islands", "hetccl", {},
-                                         ",".join(f"nvidia-{'ab'[i % 2]}" for i in range(n)), args, tmp),
-               "nccl P2P off (shm)": run("nccl-nop2p", "torch-nccl", {"NCCL_P2P_DISABLE": "1"}, "", args, tmp)}
-        if not args.skip_gloo:
+        one: dict[str, list[dict]] = {}
+        two: dict[str, list[dict]] = {}
+        if args.only != "two":
+            one["hetccl (1 island)"] = run("hetccl-1island", "hetccl", {}, ",".join(["nvidia"] * n), args, tmp)
+            one["torch nccl"] = run("torch-nccl", "torch-nccl", {}, "", args, tmp)
+        if args.only != "one":
+            two["hetccl (2 islands)"] = run("hetccl-2islands", "hetccl", {},
+                                            ",".join(f"nvidia-{'ab'[i % 2]}" for i in range(n)), args, tmp)
+            two["nccl P2P off (shm)"] = run("nccl-nop2p", "torch-nccl", {"NCCL_P2P_DISABLE": "1"}, "", args, tmp)
+        if not args.skip_gloo and args.only != "one":
             two["torch gloo (CUDA tensors)"] = run("torch-gloo", "torch-gloo", {}, "", args, tmp)
     import torch
 
     head = (f"GPU all_reduce float32, {n} ranks, {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, "
             f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}\n\n")
-    text = head + table("(a) one island: hetccl vs NCCL", one, ("hetccl (1 island)", "torch nccl")) + "\n" + \
-        table("(b) two islands: hetccl's cross-island path vs NCCL without peer-to-peer, and Gloo", two,
-              ("hetccl (2 islands)", "nccl P2P off (shm)"))
+    text = head
+    if one:
+        text += table("(a) one island: hetccl vs NCCL", one, ("hetccl (1 island)", "torch nccl")) + "\n"
+    if two:
+        text += table("(b) two islands: hetccl's cross-island path vs NCCL without peer-to-peer, and Gloo", two,
+                      ("hetccl (2 islands)", "nccl P2P off (shm)"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)

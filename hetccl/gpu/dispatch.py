@@ -18,9 +18,11 @@ buffers on GPU islands, host buffers on CPU islands).
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..config import parse_size
 from ..dtypes import ReduceOp, parse_op
 from ..errors import ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
     from ..communicator import Communicator
 
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
-STAGE_CHUNK = 4 << 20  # one chunk of the cross-island pipeline (host all_reduce stays on recursive doubling)
+# one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
+STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
 
 
 def vendor_of(label: str) -> str | None:
