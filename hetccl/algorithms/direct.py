@@ -7,7 +7,7 @@ sends are spread over peers (rank r starts with r+1) to avoid everyone hitting t
 from __future__ import annotations
 
 from ..dtypes import Buf
-from ..scheduler import CollCtx, gather_fail_fast, make_tag
+from ..scheduler import CollCtx, await_all, make_tag
 
 A2A, GATHER, SCATTER = 21, 22, 23
 
@@ -22,7 +22,7 @@ async def all_to_all(ctx: CollCtx, out: Buf, inp: Buf) -> None:
     recvs = [ctx.recv(p, make_tag(A2A, 0, 0), out.data[p * nb:(p + 1) * nb]) for p in range(n) if p != r]
     sends = [ctx.send((r + i) % n, make_tag(A2A, 0, 0), inp.data[((r + i) % n) * nb:((r + i) % n + 1) * nb])
              for i in range(1, n)]
-    await gather_fail_fast(sends + recvs)
+    await await_all(sends + recvs)
 
 
 async def gather(ctx: CollCtx, out: Buf | None, inp: Buf, root: int) -> None:
@@ -32,7 +32,7 @@ async def gather(ctx: CollCtx, out: Buf | None, inp: Buf, root: int) -> None:
         assert out is not None
         out.data[r * nb:(r + 1) * nb] = inp.data
         if nb:
-            await gather_fail_fast([ctx.recv(p, make_tag(GATHER, 0, 0), out.data[p * nb:(p + 1) * nb])
+            await await_all([ctx.recv(p, make_tag(GATHER, 0, 0), out.data[p * nb:(p + 1) * nb])
                                     for p in range(n) if p != r])
     elif nb:
         await ctx.send(root, make_tag(GATHER, 0, 0), inp.data)
@@ -45,7 +45,7 @@ async def scatter(ctx: CollCtx, out: Buf, inp: Buf | None, root: int) -> None:
         assert inp is not None
         out.data[:] = inp.data[r * nb:(r + 1) * nb]
         if nb:
-            await gather_fail_fast([ctx.send((r + i) % n, make_tag(SCATTER, 0, 0),
+            await await_all([ctx.send((r + i) % n, make_tag(SCATTER, 0, 0),
                                              inp.data[((r + i) % n) * nb:((r + i) % n + 1) * nb])
                                     for i in range(1, n)])
     elif nb:

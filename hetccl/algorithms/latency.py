@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import Buf
-from ..scheduler import CollCtx, block_ranges, gather_fail_fast, make_tag
+from ..scheduler import CollCtx, await_all, block_ranges, make_tag
 
 RDBL, BCAST, REDUCE, AG, RS, BARRIER = 11, 12, 13, 14, 15, 16
 _EMPTY = np.empty(0, np.uint8)
@@ -75,7 +75,7 @@ async def broadcast(ctx: CollCtx, buf: Buf, root: int) -> None:
     parent, children = _binomial(n, rel)
     if parent is not None:
         await ctx.recv((parent + root) % n, make_tag(BCAST, 0, 0), buf.data)
-    await gather_fail_fast([ctx.send((c + root) % n, make_tag(BCAST, 0, 0), buf.data) for c in children])
+    await await_all([ctx.send((c + root) % n, make_tag(BCAST, 0, 0), buf.data) for c in children])
 
 
 async def reduce(ctx: CollCtx, buf: Buf, root: int, scratch: np.ndarray | None, tmp: np.ndarray) -> None:
@@ -104,7 +104,7 @@ async def all_gather(ctx: CollCtx, out: Buf) -> None:
     blocks = block_ranges(out.count, n)
     views = [out.data[a * isz: b * isz] for a, b in blocks]
     recvs = [ctx.recv(p, make_tag(AG, 0, 0), views[p]) for p in range(n) if p != r]
-    await gather_fail_fast([ctx.send((r + i) % n, make_tag(AG, 0, 0), views[r]) for i in range(1, n)]
+    await await_all([ctx.send((r + i) % n, make_tag(AG, 0, 0), views[r]) for i in range(1, n)]
                            + recvs)
 
 
@@ -123,7 +123,7 @@ async def reduce_scatter(ctx: CollCtx, out: Buf, inp: Buf, tmp: np.ndarray) -> N
         pa, pb = blocks[p]
         if pb > pa:
             sends.append(ctx.send(p, make_tag(RS, 0, 0), inp.data[pa * isz: pb * isz]))
-    await gather_fail_fast(sends + list(recvs.values()))
+    await await_all(sends + list(recvs.values()))
     if nb:
         slots[r][:] = inp.data[a * isz: b * isz]
         out.data[:] = slots[0]
