@@ -52,6 +52,7 @@ class Layout:
     island_comm: Any = None  # hetccl communicator of my island (None when it is the whole communicator)
     leaders: Any = None  # hetccl communicator of the island leaders (None off leaders / single island)
     vendor_comms: dict[int, VendorComm] = field(default_factory=dict)
+    pairlink: Any = None  # zero-copy cross-island link (two GPU leaders on one host)
 
     @property
     def single(self) -> bool:
@@ -160,7 +161,11 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
                      stream, _deadline(comm), "island reduce")
     if lay.leaders is not None and lay.leaders.size > 1:
-        await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+        link = await _pairlink(comm, lay, t)
+        if link is not None:
+            await link.all_reduce(t, inner, stream, _deadline(comm))
+        else:
+            await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
     if len(members) > 1:
         vc = await _vendor(comm, lay, buf)
         await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, 0, vc.comm, s),
@@ -172,6 +177,25 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         ev = torch.cuda.Event()
         ev.record(stream)
         await wait_event(ev, _deadline(comm), "avg division")
+
+
+async def _pairlink(comm: Communicator, lay: Layout, t: Any) -> Any:
+    """The zero-copy link when exactly two GPU islands' leaders share a host, else None (decided from the
+    layout alone, so both leaders agree)."""
+    from . import pairlink
+
+    leaders = lay.leaders
+    if leaders.size != 2 or not pairlink.enabled():
+        return None
+    g = leaders._members
+    fab = comm._fabric
+    if not fab.topology.same_host(g[0], g[1]):
+        return None
+    if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
+        return None
+    if lay.pairlink is None:
+        lay.pairlink = await pairlink.PairLink.create(leaders, t.device, STAGE_CHUNK, comm._settings.timeout)
+    return lay.pairlink
 
 
 async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
