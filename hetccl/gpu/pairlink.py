@@ -22,7 +22,7 @@ from ..errors import CollectiveTimeout, TransportError
 from ..transports.shm import _Segment
 from .runtime import reduce_inplace, torch_mod, wait_event
 
-SLOTS = 4
+SLOTS = 8
 HEADER = 4096  # counters: produced[d] at 0 + 256*d, consumed[d] at 128 + 256*d (own cache lines)
 
 
@@ -40,7 +40,9 @@ class PairLink:
         self.received = 0
         self.d2h = torch.cuda.Stream(device=device)
         self.h2d = torch.cuda.Stream(device=device)
-        self.scratch = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+        # two scratch buffers: the copy of chunk c+1 overlaps the reduction of chunk c; reuse of a scratch buffer
+        # two chunks later is ordered by the copy stream itself
+        self.scratch = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
 
     def slot(self, direction: int, seq: int) -> Any:
         off = HEADER + (direction * SLOTS + seq % SLOTS) * self.slot_bytes
@@ -106,23 +108,33 @@ class PairLink:
                 await wait_event(ev, deadline, "device-to-shared-memory copy")
                 self.lib.hccl_store_release(self.produced[out_d], seq + 1)
 
+        copied: asyncio.Queue = asyncio.Queue()
+
         async def consume() -> None:
             for c, (off, size) in enumerate(chunks):
                 seq = base_in + c
                 await self._wait_counter(self.produced[in_d], seq + 1, deadline, "the peer island's chunk")
                 sent_ev = await d2h_done[c]
+                scratch = self.scratch[c % 2]
                 with torch.cuda.stream(self.h2d):
                     self.h2d.wait_event(sent_ev)  # our own chunk left for the peer before we overwrite it
-                    self.scratch[:size].copy_(self.slot(in_d, seq)[:size], non_blocking=True)
-                    # both leaders compute mine OP theirs: the ops are commutative (a min/max tie between -0.0
-                    # and +0.0 may keep either sign, as in NCCL)
-                    reduce_inplace(raw[off: off + size].view(t.dtype), self.scratch[:size].view(t.dtype), op)
+                    scratch[:size].copy_(self.slot(in_d, seq)[:size], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(self.h2d)
+                    # both leaders compute mine OP theirs: the ops are commutative (a min/max tie between -0.0
+                    # and +0.0 may keep either sign, as in NCCL)
+                    reduce_inplace(raw[off: off + size].view(t.dtype), scratch[:size].view(t.dtype), op)
+                copied.put_nowait((seq, ev))
+
+        async def release() -> None:
+            """Hand each slot back as soon as its copy to the device is done (not its reduction)."""
+            for _ in chunks:
+                seq, ev = await copied.get()
                 await wait_event(ev, deadline, "shared-memory-to-device copy")
                 self.lib.hccl_store_release(self.consumed[in_d], seq + 1)
 
-        tasks = [asyncio.ensure_future(produce()), asyncio.ensure_future(consume())]
+        tasks = [asyncio.ensure_future(produce()), asyncio.ensure_future(consume()),
+                 asyncio.ensure_future(release())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -131,6 +143,9 @@ class PairLink:
         self.sent += len(chunks)
         self.received += len(chunks)
         stream.wait_stream(self.h2d)  # work queued after the collective sees the result
+        done = torch.cuda.Event()
+        done.record(self.h2d)
+        await wait_event(done, deadline, "cross-island reduction")  # like every collective: awaited = complete
 
 
 def enabled() -> bool:
