@@ -33,6 +33,12 @@ async def _gpu(comm: Communicator, name: str, args: list[Any], kwargs: dict[str,
     await dispatch.collective(comm, name, args, kwargs, outputs)
 
 
+async def _hier(comm: Communicator, name: str, *args: Any, **kwargs: Any) -> None:
+    from .gpu import hierarchical
+
+    await getattr(hierarchical, name)(comm, *args, **kwargs)
+
+
 class _ScratchPool:
     """Page-aligned scratch buffers reused across collectives (big allocations cost page faults)."""
 
@@ -133,8 +139,10 @@ class Communicator:
         algo = ring.all_reduce if self._algo("all_reduce", b.nbytes) == algorithms.RING else latency.all_reduce
         await run_collective(self, fp, lambda: algo(ctx, b))
 
-    async def all_gather(self, out: Any, inp: Any) -> None:
+    async def all_gather(self, out: Any, inp: Any, _flat: bool = False) -> None:
         """out (size * len(inp) elements) receives every rank's inp, rank-major."""
+        if self._islands > 1 and not _flat:
+            return await _hier(self, "all_gather", out, inp)
         if _any_device(out, inp):
             return await _gpu(self, "all_gather", [out, inp], {}, [0])
         o, i = as_buf(out, "out"), as_buf(inp, "inp", writable=False)
@@ -151,8 +159,11 @@ class Communicator:
         algo = ring.all_gather if self._algo("all_gather", o.nbytes) == algorithms.RING else latency.all_gather
         await run_collective(self, fp, lambda: algo(ctx, o))
 
-    async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
+    async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM, _flat: bool = False
+                             ) -> None:
         """out (k elements) receives block `rank` of the reduction of every rank's inp (size * k)."""
+        if self._islands > 1 and not _flat:
+            return await _hier(self, "reduce_scatter", out, inp, op=op)
         if _any_device(out, inp):
             return await _gpu(self, "reduce_scatter", [out, inp], {"op": op}, [0])
         o, i, rop = as_buf(out, "out"), as_buf(inp, "inp", writable=False), parse_op(op)
@@ -173,8 +184,10 @@ class Communicator:
         finally:
             self._pool.give(scratch)
 
-    async def broadcast(self, buf: Any, root: int = 0) -> None:
+    async def broadcast(self, buf: Any, root: int = 0, _flat: bool = False) -> None:
         """Every rank's buf becomes root's buf."""
+        if self._islands > 1 and not _flat:
+            return await _hier(self, "broadcast", buf, root=self._root(root))
         if _any_device(buf):
             return await _gpu(self, "broadcast", [buf], {"root": root}, [0])
         root = self._root(root)
@@ -184,8 +197,11 @@ class Communicator:
         algo = ring.broadcast if self._algo("broadcast", b.nbytes) == algorithms.RING else latency.broadcast
         await run_collective(self, fp, lambda: algo(ctx, b, root))
 
-    async def reduce(self, buf: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> None:
+    async def reduce(self, buf: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, _flat: bool = False
+                     ) -> None:
         """root's buf becomes the reduction of every rank's buf; other ranks' buffers are left unchanged."""
+        if self._islands > 1 and not _flat:
+            return await _hier(self, "reduce", buf, root=self._root(root), op=op)
         if _any_device(buf):
             return await _gpu(self, "reduce", [buf], {"root": root, "op": op}, [0])
         root = self._root(root)
@@ -301,7 +317,7 @@ class Communicator:
             raise ConfigError(f"split color must be a non-negative int or None (got {color!r})")
         mine = np.array([-1 if color is None else int(color), int(key)], dtype=np.int64)
         table = np.empty(2 * self.size, dtype=np.int64)
-        await self.all_gather(table, mine)
+        await self.all_gather(table, mine, _flat=True)  # plain exchange, whatever the islands
         self._splits += 1
         if color is None:
             return None
