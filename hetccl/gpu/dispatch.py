@@ -255,6 +255,8 @@ async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[st
             host_args.append(as_tensor(buf).to("cpu").contiguous())
         else:
             host_args.append(a)
+    if name in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
+        kwargs = dict(kwargs, _flat=True)  # the flat host algorithm, as on host-memory ranks: same collectives
     await getattr(comm, name)(*host_args, **kwargs)
     for i in outputs:
         if args[i] is not None and is_device(args[i]):
