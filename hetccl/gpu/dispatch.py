@@ -106,6 +106,13 @@ async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm
     return vc
 
 
+async def _island_vendor(lay: Layout, buf: DeviceBuf) -> VendorComm:
+    """The vendor communicator of this rank's island, owned by the island sub-communicator, so that the
+    hierarchical all_reduce and the island's own collectives share one (one rendezvous key, one NCCL comm)."""
+    isl = lay.island_comm
+    return await _vendor(isl, await layout(isl), buf)
+
+
 def _deadline(comm: Communicator) -> float:
     return asyncio.get_running_loop().time() + comm._settings.timeout
 
@@ -157,7 +164,7 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
     stream = stream_of(buf)
     t = as_tensor(buf)
     if len(members) > 1:
-        vc = await _vendor(comm, lay, buf)
+        vc = await _island_vendor(lay, buf)
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
                      stream, _deadline(comm), "island reduce")
     if lay.leaders is not None and lay.leaders.size > 1:
@@ -167,7 +174,7 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         else:
             await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
     if len(members) > 1:
-        vc = await _vendor(comm, lay, buf)
+        vc = await _island_vendor(lay, buf)
         await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, 0, vc.comm, s),
                      stream, _deadline(comm), "island broadcast")
     if rop == ReduceOp.AVG:
