@@ -253,8 +253,8 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
 
 async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]
                  ) -> None:
-    """Run a host-path collective on host copies of device buffers and copy the outputs back."""
-    torch = torch_mod()
+    """Run a host-path collective on host copies of device buffers and copy the outputs back (copies from
+    pageable host memory to the device complete before copy_ returns)."""
     host_args: list[Any] = []
     for a in args:
         if a is not None and is_device(a):
@@ -269,7 +269,6 @@ async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[st
         if args[i] is not None and is_device(args[i]):
             dev = as_tensor(as_device_buf(args[i]))
             dev.copy_(host_args[i].reshape(-1))
-    torch.cuda.current_stream().synchronize() if torch.cuda.is_available() else None
 
 
 VENDOR_OPS = ("all_gather", "reduce_scatter", "broadcast", "reduce")
