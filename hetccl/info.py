@@ -37,6 +37,19 @@ def collect() -> dict[str, object]:
     for name, reason in registry.available().items():
         transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
     out["transports"] = transports
+    from .bootstrap import island_label
+
+    out["island"] = island_label()
+    vendors = {}
+    from .vendor import ccl
+
+    for name, loader in (("nccl", ccl.load_nccl), ("rccl", ccl.load_rccl)):
+        try:
+            lib = loader()
+            vendors[name] = f"{'.'.join(map(str, lib.version))} at {lib.path}"
+        except Exception as exc:  # the point of `info` is to say what is missing and why
+            vendors[name] = f"unavailable: {str(exc).splitlines()[0][:200]}"
+    out["vendor_ccl"] = vendors
     return out
 
 
@@ -44,11 +57,14 @@ def print_info() -> int:
     info = collect()
     width = max(len(k) for k in info)
     for key, value in info.items():
-        if key == "transports":
+        if key in ("transports", "vendor_ccl"):
             continue
         print(f"{key:<{width}} : {value}")
     print("transports:")
     for name, t in info["transports"].items():  # type: ignore[union-attr]
         state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
         print(f"  {name:<8} {state}  ({t['source']})")
+    print("vendor collective libraries (GPU islands):")
+    for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
+        print(f"  {name:<8} {state}")
     return 0
