@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import parse_size
 from ..dtypes import ReduceOp, parse_op
-from ..errors import ConfigError
+from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
 from .runtime import as_tensor, divide_inplace, staging, stream_of, torch_mod, wait_event
 from .vendor_comm import VendorComm
@@ -223,20 +223,30 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
     tasks = []
 
     async def exchange(i: int, off: int, size: int, slot: int, copied: Any) -> None:
-        await wait_event(copied, deadline, "device-to-host staging")
-        host = pinned[slot][:size]
-        await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
-        with torch.cuda.stream(h2d):
-            raw[off: off + size].copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(h2d)
-        await wait_event(done, deadline, "host-to-device staging")
-        free[slot].set()
+        try:
+            await wait_event(copied, deadline, "device-to-host staging")
+            host = pinned[slot][:size]
+            await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
+            with torch.cuda.stream(h2d):
+                raw[off: off + size].copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(h2d)
+            await wait_event(done, deadline, "host-to-device staging")
+        finally:
+            free[slot].set()  # also on failure: the loop below then sees the task's error at once
 
+    loop = asyncio.get_running_loop()
     for i, off in enumerate(range(0, n, chunk)):
         size = min(chunk, n - off)
         slot = i % len(pinned)
-        await free[slot].wait()
+        for task in tasks:  # a failed exchange frees no slot: surface its error instead of waiting
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        try:
+            await asyncio.wait_for(free[slot].wait(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise CollectiveTimeout("cross-island staging: a pinned buffer was not released before the deadline") \
+                from None
         free[slot].clear()
         with torch.cuda.stream(d2h):
             pinned[slot][:size].copy_(raw[off: off + size], non_blocking=True)
