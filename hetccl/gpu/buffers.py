@@ -39,7 +39,18 @@ def is_device(obj: Any) -> bool:
     mod = type(obj).__module__
     if mod.startswith("torch"):
         return getattr(getattr(obj, "device", None), "type", "cpu") == "cuda"
-    return hasattr(obj, "__cuda_array_interface__")
+    if hasattr(obj, "__cuda_array_interface__"):
+        return True
+    dl = getattr(obj, "__dlpack_device__", None)
+    if dl is not None:
+        try:
+            return int(dl()[0]) in _DLPACK_GPU
+        except Exception:  # a broken exporter is not device memory we can use
+            return False
+    return False
+
+
+_DLPACK_GPU = {2, 10, 13}  # kDLCUDA, kDLROCM, kDLCUDAManaged
 
 
 def as_device_buf(obj: Any, name: str = "buffer") -> DeviceBuf:
@@ -63,6 +74,13 @@ def as_device_buf(obj: Any, name: str = "buffer") -> DeviceBuf:
         return DeviceBuf(obj.data.ptr, parse_dtype(obj.dtype.name if obj.dtype.name != "bfloat16" else
                                                    "bfloat16"), obj.size, obj.device.id, vendor, stream, obj, "cupy")
     cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is None and hasattr(obj, "__dlpack__"):  # e.g. JAX arrays: a zero-copy torch view through DLPack
+        import torch
+
+        t = torch.from_dlpack(obj)  # the exporter's stream is made to wait for torch's current stream
+        buf = as_device_buf(t, name)
+        buf.obj, buf.framework = t, "torch"
+        return buf
     if cai is None:
         raise ConfigError(f"{name} is not device memory")
     shape = cai.get("shape", ())
