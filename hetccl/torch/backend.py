@@ -1,0 +1,444 @@
+"""A `torch.distributed` backend ("hetccl") built on hetccl's communicator.
+
+Every op schedules a hetccl coroutine on the communicator's background event loop and returns at once a
+`Work` wrapping a `torch.futures.Future`, completed from the loop thread when the collective finishes.
+Collectives are issued in program order (the loop starts coroutines FIFO), so several may be in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+import hetccl
+
+BACKEND_NAME = "hetccl"
+
+_ADDR_KEY = "hetccl/addr"
+_SECRET_KEY = "hetccl/secret"
+_ENV_LOCK = threading.Lock()
+
+_OPS = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.AVG: "avg",
+}
+
+
+class UnsupportedError(RuntimeError):
+    """An option or argument shape the hetccl torch backend does not implement."""
+
+
+def _reduce_op(opts: Any) -> str:
+    op = opts.reduceOp
+    kind = getattr(op, "op", op)
+    for torch_op, name in _OPS.items():
+        if kind == torch_op:
+            return name
+    raise UnsupportedError(f"hetccl backend: reduce op {op} is not supported (use SUM, PRODUCT, MIN, MAX or AVG)")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _rendezvous_host() -> str:
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        host = "127.0.0.1"
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | None) -> hetccl.SyncCommunicator:
+    """Start a hetccl job for this process group, exchanging rendezvous address and secret through `store`."""
+    if rank == 0:
+        host = _rendezvous_host()
+        store.set(_SECRET_KEY, secrets.token_hex(32))
+        store.set(_ADDR_KEY, f"{host}:{_free_port(host)}")
+    addr = store.get(_ADDR_KEY).decode()
+    secret = store.get(_SECRET_KEY).decode()
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": size, "addr": addr}
+    if "HETCCL_TIMEOUT" not in os.environ and timeout is not None:
+        kwargs["timeout"] = float(timeout.total_seconds())
+    with _ENV_LOCK:  # init reads HETCCL_SECRET from the environment; put back what was there
+        old = os.environ.get("HETCCL_SECRET")
+        os.environ["HETCCL_SECRET"] = secret
+        try:
+            return hetccl.init_sync(**kwargs)
+        finally:
+            if old is None:
+                os.environ.pop("HETCCL_SECRET", None)
+            else:
+                os.environ["HETCCL_SECRET"] = old
+
+
+class _Staged:
+    """A contiguous stand-in for a tensor; `finish()` copies results back into the original."""
+
+    def __init__(self, t: torch.Tensor, writeback: bool = True):
+        if t.device.type != "cpu":
+            # CUDA transport lives in hetccl.gpu; until the torch path routes there, stage through host memory
+            self.orig, self.buf, self.writeback = t, t.detach().to("cpu").contiguous(), writeback
+        elif t.is_contiguous():
+            self.orig, self.buf, self.writeback = t, t, False
+        else:
+            self.orig, self.buf, self.writeback = t, t.detach().contiguous(), writeback
+
+    def finish(self) -> None:
+        if self.writeback:
+            with torch.no_grad():
+                self.orig.copy_(self.buf)
+
+
+def _stage(ts: Sequence[torch.Tensor], writeback: bool = True) -> list[_Staged]:
+    return [_Staged(t, writeback) for t in ts]
+
+
+def _single(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise UnsupportedError(f"hetccl backend: {what} takes exactly one tensor per rank (got {len(tensors)}); "
+                               "multi-device-per-process lists are not supported")
+    return tensors[0]
+
+
+def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0)
+
+
+def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
+    for t in ts:
+        if t.numel() != ref.numel() or t.dtype != ref.dtype:
+            raise UnsupportedError(f"hetccl backend: {what} needs every tensor to have the input's size and dtype "
+                                   f"({ref.numel()} x {ref.dtype}; got {t.numel()} x {t.dtype})")
+
+
+class HetcclBackend(dist.ProcessGroup):
+    """c10d process group whose collectives run on a hetccl communicator.
+
+    torch 2.13 exposes no Python constructor for c10d's `Backend`, so this subclasses `ProcessGroup` (whose
+    pybind trampoline forwards every virtual op to Python), the documented route for Python process groups.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta | None = None,
+                 group_name: str = ""):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._group_name = group_name
+        self._comm = _bootstrap(store, rank, size, timeout)
+        self._acomm = self._comm.async_comm
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        return BACKEND_NAME
+
+    @property
+    def comm(self) -> hetccl.SyncCommunicator:
+        return self._comm
+
+    def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
+                after: Callable[[], None] | None = None) -> Any:
+        """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        async def body() -> None:
+            await coro_fn()
+
+        def done(cf: Any) -> None:
+            try:
+                exc = cf.exception()
+                if exc is None and after is not None:
+                    after()
+            except BaseException as e:  # noqa: BLE001 (cancellation or copy-back failure goes to the future)
+                exc = e
+            if exc is not None:
+                fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            else:
+                fut.set_result(result)
+
+        self._comm.submit(body()).add_done_callback(done)
+        return _create_work_from_future(fut)
+
+    # ---- collectives ---------------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts) if opts is not None else "sum"
+        if len(tensors) != 1:
+            return self.allreduce_coalesced(tensors, opts)
+        st = _Staged(tensors[0])
+        return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = _reduce_op(opts) if opts is not None else "sum"
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise UnsupportedError("hetccl backend: allreduce_coalesced needs one dtype "
+                                   f"(got {sorted(map(str, dtypes))})")
+        flat = _flat(tensors)
+
+        def after() -> None:
+            off = 0
+            with torch.no_grad():
+                for t in tensors:
+                    n = t.numel()
+                    t.copy_(flat[off:off + n].view_as(t))
+                    off += n
+
+        return self._launch(lambda: self._acomm.all_reduce(flat, op), list(tensors), after)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
+        outs = _single(output_tensors, "allgather")
+        inp = _Staged(_single(input_tensors, "allgather"), writeback=False)
+        if len(outs) != self._size:
+            raise UnsupportedError(f"hetccl backend: allgather needs {self._size} output tensors (got {len(outs)})")
+        _same_shapes(outs, inp.buf, "allgather")
+        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype)
+
+        def after() -> None:
+            n = inp.buf.numel()
+            with torch.no_grad():
+                for r, o in enumerate(outs):
+                    o.copy_(flat[r * n:(r + 1) * n].view_as(o))
+
+        return self._launch(lambda: self._acomm.all_gather(flat, inp.buf.reshape(-1)), output_tensors, after)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        out, inp = _Staged(output), _Staged(input, writeback=False)
+        if out.buf.numel() != self._size * inp.buf.numel():
+            raise UnsupportedError(f"hetccl backend: all_gather_into_tensor output has {out.buf.numel()} elements, "
+                                   f"needs world_size * input = {self._size * inp.buf.numel()}")
+        return self._launch(lambda: self._acomm.all_gather(out.buf.reshape(-1), inp.buf.reshape(-1)), [output],
+                            out.finish)
+
+    all_gather_single = _allgather_base  # the name some torch versions dispatch to
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._chain(works, outputs)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        op = _reduce_op(opts) if opts is not None else "sum"
+        out = _Staged(_single(output_tensors, "reduce_scatter"))
+        ins = _single(input_tensors, "reduce_scatter")
+        if len(ins) != self._size:
+            raise UnsupportedError(f"hetccl backend: reduce_scatter needs {self._size} input tensors (got {len(ins)})")
+        _same_shapes(ins, out.buf, "reduce_scatter")
+        flat = _flat(ins)
+        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), flat, op), output_tensors,
+                            out.finish)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        op = _reduce_op(opts) if opts is not None else "sum"
+        out, inp = _Staged(output), _Staged(input, writeback=False)
+        if inp.buf.numel() != self._size * out.buf.numel():
+            raise UnsupportedError(f"hetccl backend: reduce_scatter_tensor input has {inp.buf.numel()} elements, "
+                                   f"needs world_size * output = {self._size * out.buf.numel()}")
+        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), inp.buf.reshape(-1), op),
+                            [output], out.finish)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._chain(works, outputs)
+
+    def _chain(self, works: list[Any], result: Any) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+        futs = [w.get_future() for w in works]
+        if not futs:
+            fut.set_result(result)
+            return _create_work_from_future(fut)
+
+        def done(_: Any) -> None:
+            for f in futs:
+                try:
+                    f.wait()
+                except Exception as e:  # noqa: BLE001
+                    fut.set_exception(e)
+                    return
+            fut.set_result(result)
+
+        torch.futures.collect_all(futs).add_done_callback(done)
+        return _create_work_from_future(fut)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        st = _Staged(_single(tensors, "broadcast"))
+        root = int(opts.rootRank)
+        return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        op = _reduce_op(opts)
+        st = _Staged(_single(tensors, "reduce"))
+        root = int(opts.rootRank)
+        return self._launch(lambda: self._acomm.reduce(st.buf, root, op), list(tensors), st.finish)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> Any:
+        out, inp = _Staged(output), _Staged(input, writeback=False)
+        if out.buf.numel() != inp.buf.numel() or inp.buf.numel() % self._size:
+            if not output_split_sizes and not input_split_sizes:
+                raise UnsupportedError("hetccl backend: all_to_all_single without split sizes needs input and "
+                                       f"output of equal size divisible by world_size={self._size}")
+        if not output_split_sizes and not input_split_sizes:
+            return self._launch(lambda: self._acomm.all_to_all(out.buf.reshape(-1), inp.buf.reshape(-1)),
+                                [output], out.finish)
+        return self._alltoallv(out, inp, list(output_split_sizes), list(input_split_sizes), [output])
+
+    def _alltoallv(self, out: _Staged, inp: _Staged, osplits: list[int], isplits: list[int], result: Any) -> Any:
+        """Uneven all_to_all_single: rows along dim 0, exchanged with point-to-point sends and receives."""
+        n = self._size
+        irows, orows = inp.buf.shape[0] if inp.buf.dim() else 1, out.buf.shape[0] if out.buf.dim() else 1
+        isplits = isplits or [irows // n] * n
+        osplits = osplits or [orows // n] * n
+        if len(isplits) != n or len(osplits) != n or sum(isplits) != irows or sum(osplits) != orows:
+            raise UnsupportedError(f"hetccl backend: all_to_all_single split sizes {isplits} / {osplits} do not "
+                                   f"match world_size={n} and the tensors' first dimensions ({irows} / {orows})")
+        irow = inp.buf[0].numel() if inp.buf.dim() else 1
+        orow = out.buf[0].numel() if out.buf.dim() else 1
+        src, dst = inp.buf.reshape(-1), out.buf.reshape(-1)
+        ioff = [sum(isplits[:p]) * irow for p in range(n)]
+        ooff = [sum(osplits[:p]) * orow for p in range(n)]
+        me = self._rank
+        acomm = self._acomm
+
+        async def run() -> None:
+            import asyncio
+
+            dst[ooff[me]:ooff[me] + osplits[me] * orow].copy_(src[ioff[me]:ioff[me] + isplits[me] * irow])
+            jobs = []
+            for p in range(n):
+                if p == me:
+                    continue
+                if isplits[p]:
+                    jobs.append(acomm.send(src[ioff[p]:ioff[p] + isplits[p] * irow], p))
+                if osplits[p]:
+                    jobs.append(acomm.recv(dst[ooff[p]:ooff[p] + osplits[p] * orow], p))
+            await asyncio.gather(*jobs)
+
+        return self._launch(run, result, out.finish)
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        n = self._size
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise UnsupportedError(f"hetccl backend: all_to_all needs {n} input and output tensors")
+        flat_in = _flat(input_tensors)
+        dtype = flat_in.dtype
+        if any(t.dtype != dtype for t in output_tensors):
+            raise UnsupportedError("hetccl backend: all_to_all needs one dtype for all tensors")
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        out_st = _Staged(flat_out, writeback=False)
+        isz, osz = [t.numel() for t in input_tensors], [t.numel() for t in output_tensors]
+
+        def after() -> None:
+            off = 0
+            with torch.no_grad():
+                for t in output_tensors:
+                    t.copy_(flat_out[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+        if len(set(isz)) == 1 and isz == osz:
+            return self._launch(lambda: self._acomm.all_to_all(flat_out, flat_in), output_tensors, after)
+        work_result = output_tensors
+        w = self._alltoallv(out_st, _Staged(flat_in, writeback=False), osz, isz, work_result)
+        return self._chain_after(w, after, work_result)
+
+    def _chain_after(self, work: Any, after: Callable[[], None], result: Any) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def done(f: Any) -> None:
+            try:
+                f.wait()
+                after()
+            except Exception as e:  # noqa: BLE001
+                fut.set_exception(e)
+                return
+            fut.set_result(result)
+
+        work.get_future().add_done_callback(done)
+        return _create_work_from_future(fut)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:
+        root = int(opts.rootRank)
+        inp = _Staged(_single(input_tensors, "gather"), writeback=False)
+        n = inp.buf.numel()
+        if self._rank == root:
+            outs = _single(output_tensors, "gather")
+            if len(outs) != self._size:
+                raise UnsupportedError(f"hetccl backend: gather needs {self._size} output tensors on the root")
+            _same_shapes(outs, inp.buf, "gather")
+            flat = torch.empty(self._size * n, dtype=inp.buf.dtype)
+
+            def after() -> None:
+                with torch.no_grad():
+                    for r, o in enumerate(outs):
+                        o.copy_(flat[r * n:(r + 1) * n].view_as(o))
+
+            return self._launch(lambda: self._acomm.gather(flat, inp.buf.reshape(-1), root), output_tensors, after)
+        return self._launch(lambda: self._acomm.gather(None, inp.buf.reshape(-1), root), output_tensors)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:
+        root = int(opts.rootRank)
+        out = _Staged(_single(output_tensors, "scatter"))
+        flat = None
+        if self._rank == root:
+            ins = _single(input_tensors, "scatter")
+            if len(ins) != self._size:
+                raise UnsupportedError(f"hetccl backend: scatter needs {self._size} input tensors on the root")
+            _same_shapes(ins, out.buf, "scatter")
+            flat = _flat(ins)
+        return self._launch(lambda: self._acomm.scatter(out.buf.reshape(-1), flat, root), output_tensors,
+                            out.finish)
+
+    # ---- point to point and barrier ------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        st = _Staged(_single(tensors, "send"), writeback=False)
+        return self._launch(lambda: self._acomm.send(st.buf, int(dst)), list(tensors))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        st = _Staged(_single(tensors, "recv"))
+        return self._launch(lambda: self._acomm.recv(st.buf, int(src)), list(tensors), st.finish)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        raise UnsupportedError("hetccl backend: recv from any source is not supported; pass src=")
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._launch(lambda: self._acomm.barrier(), [])
+
+    def shutdown(self) -> None:
+        comm, self._comm = getattr(self, "_comm", None), None
+        if comm is not None:
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 (peers may already be gone at exit)
+                pass
+
+
+def _create(dist_opts: Any, backend_options: Any) -> HetcclBackend:
+    return HetcclBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+                         str(getattr(dist_opts, "group_id", "") or ""))
+
+
+def register() -> None:
+    """Register "hetccl" with torch.distributed (idempotent)."""
+    plugins = getattr(dist.Backend, "_plugins", {})
+    if BACKEND_NAME.upper() in plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
