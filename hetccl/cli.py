@@ -15,7 +15,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         print("hetccl run: give the command to launch, e.g. hetccl run -n 2 -- python train.py", file=sys.stderr)
         return 2
-    return launch(args.nprocs, cmd, addr=args.addr, port=args.port, timeout=args.timeout)
+    env = None
+    if args.torch_backend_alias:
+        import os
+        from pathlib import Path
+
+        # every rank loads hetccl/torch/alias/sitecustomize.py first: "nccl"/"gloo" requests become "hetccl"
+        alias_dir = str(Path(__file__).resolve().parent / "torch" / "alias")
+        path = os.environ.get("PYTHONPATH", "")
+        env = {"HETCCL_TORCH_ALIAS": args.torch_backend_alias,
+               "PYTHONPATH": alias_dir + (os.pathsep + path if path else "")}
+    return launch(args.nprocs, cmd, env=env, addr=args.addr, port=args.port, timeout=args.timeout)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -41,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--addr", default="127.0.0.1", help="rendezvous address rank 0 listens on")
     r.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     r.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    r.add_argument("--torch-backend-alias", default=None, metavar="NAMES",
+                   help="run an unmodified PyTorch script on hetccl: torch.distributed backends with these names "
+                        "(comma list, e.g. nccl,gloo) become \"hetccl\"")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     r.set_defaults(func=_cmd_run)
     i = sub.add_parser("info", help="version, native build, transports and why any is unavailable")

@@ -78,3 +78,26 @@ def test_ddp_matches_gloo(tmp_path, hook):
         assert len(got) == len(want) == 3
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             assert abs(a - b) <= tol * abs(b), f"rank {r} step {step}: hetccl {a} vs gloo {b} (hook {hook})"
+
+
+UNMODIFIED = r"""
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")  # an unmodified script that asks for Gloo
+t = torch.full((5,), float(dist.get_rank() + 1))
+dist.all_reduce(t)
+n = dist.get_world_size()
+assert torch.equal(t, torch.full((5,), n * (n + 1) / 2)), t
+print("backend", dist.get_backend(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_unmodified_script_runs_on_hetccl_through_the_alias() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hetccl", "run", "-n", "2", "--torch-backend-alias", "nccl,gloo",
+                           "--", sys.executable, "-c", UNMODIFIED], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("backend hetccl") == 2, proc.stdout

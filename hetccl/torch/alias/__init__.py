@@ -1,0 +1,1 @@
+"""Start-up hook folder for `hetccl run --torch-backend-alias` (see sitecustomize.py)."""
