@@ -125,7 +125,7 @@ class Communicator:
             from .gpu import dispatch
 
             return await dispatch.hierarchical_all_reduce(self, buf, op)
-        if type(buf) is not np.ndarray and is_device(buf):
+        if _any_device(buf):
             from .gpu import dispatch
 
             return await dispatch.all_reduce(self, buf, op)

@@ -22,8 +22,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import native
 from ..config import parse_size
-from ..dtypes import ReduceOp, parse_op
+from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
 from .runtime import as_tensor, divide_inplace, staging, stream_of, torch_mod, wait_event
@@ -137,16 +138,12 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     members = lay.my_members
     if not is_device(obj):
-        from ..dtypes import as_buf
-
         b = as_buf(obj, "buf")
         comm._fp(1, b.dtype, b.count, -1, rop)
         if len(members) > 1:
             await lay.island_comm.reduce(obj, root=0, op=inner)
         if lay.leaders is not None and lay.leaders.size > 1:
             # the same chunks as a GPU leader's staging, so every leader issues the same collectives
-            from ..dtypes import Buf
-
             isz = b.dtype.itemsize
             step = STAGE_CHUNK // isz
             for off in range(0, max(b.count, 1), step):
@@ -155,8 +152,6 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         if len(members) > 1:
             await lay.island_comm.broadcast(obj, root=0)
         if rop == ReduceOp.AVG:
-            from .. import native
-
             native.divide(b.data, b.dtype, comm.size)
         return
     buf = as_device_buf(obj, "buf")
