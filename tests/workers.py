@@ -169,6 +169,7 @@ async def split(comm: hetccl.Communicator) -> None:
         b = np.ones(3, np.float32)
         await none.all_reduce(b)
         check(b, np.full(3, n - 1, np.float32), "split without rank 0")
+    await comm.synchronize()  # host memory only: nothing on a device to wait for
     await comm.barrier()
 
 

@@ -18,9 +18,12 @@ buffers on GPU islands, host buffers on CPU islands).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .. import native
 from ..config import parse_size
@@ -33,6 +36,7 @@ from .vendor_comm import VendorComm
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
+log = logging.getLogger("hetccl")
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
 STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
@@ -102,7 +106,7 @@ async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm
         # the same key on every island member (their devices differ): the island's n-th vendor communicator
         key = f"{fab.job}/vendor/{sub.comm_id}/{len(lay.vendor_comms)}"
         vc = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members), buf.device,
-                                     comm._settings.timeout)
+                                     comm._settings.timeout, fab.lost, [comm._members[m] for m in members])
         lay.vendor_comms[buf.device] = vc
     return vc
 
@@ -127,6 +131,30 @@ async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
     vc = await _vendor(comm, lay, buf)
     await vc.run(lambda s: vc.lib.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, vc.comm, s),
                  stream_of(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
+
+
+def _vendor_comms(comm: Communicator) -> list[VendorComm]:
+    """Every vendor communicator of comm and of its sub-communicators (island, leaders, splits)."""
+    out: list[VendorComm] = []
+    todo, seen = [comm], set()
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        lay = c._gpu_layout
+        if lay is not None:
+            out.extend(lay.vendor_comms.values())
+            todo.extend(x for x in (lay.island_comm, lay.leaders) if x is not None)
+        todo.extend(c._children)
+    return out
+
+
+async def synchronize(comm: Communicator) -> None:
+    """Wait for every device operation enqueued through comm (and its sub-communicators) to complete."""
+    deadline = _deadline(comm)
+    for vc in _vendor_comms(comm):
+        await vc.drain(deadline)
 
 
 async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
@@ -196,7 +224,17 @@ async def _pairlink(comm: Communicator, lay: Layout, t: Any) -> Any:
     if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
         return None
     if lay.pairlink is None:
-        lay.pairlink = await pairlink.PairLink.create(leaders, t.device, STAGE_CHUNK, comm._settings.timeout)
+        need = pairlink.segment_bytes(STAGE_CHUNK)
+        room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
+        await leaders._all_reduce_flat(room, op="min")  # both leaders take the same path
+        if room[0]:
+            lay.pairlink = await pairlink.PairLink.create(leaders, t.device, STAGE_CHUNK, comm._settings.timeout)
+        else:
+            log.warning("hetccl: /dev/shm cannot hold the zero-copy cross-island link (%d MiB); staging through "
+                        "hetccl's transports instead (enlarge /dev/shm, or lower HETCCL_STAGE_BYTES)", need >> 20)
+            lay.pairlink = False
+    if lay.pairlink is False:
+        return None
     return lay.pairlink
 
 
