@@ -40,6 +40,9 @@ log = logging.getLogger("hetccl")
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
 STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
+# at most this many bytes, the leaders' all_reduce goes through host memory in one piece (a copy each way
+# and hetccl's host all_reduce cost less than the pipelined link's per-chunk set-up)
+SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
 
 
 def vendor_of(label: str) -> str | None:
@@ -191,8 +194,10 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
                      stream, _deadline(comm), "island reduce")
     if lay.leaders is not None and lay.leaders.size > 1:
-        link = await _pairlink(comm, lay, t)
-        if link is not None:
+        link = await _pairlink(comm, lay, t) if buf.nbytes > SMALL_BYTES else None
+        if buf.nbytes <= SMALL_BYTES:
+            await small_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+        elif link is not None:
             await link.all_reduce(t, inner, stream, _deadline(comm))
         else:
             await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
@@ -236,6 +241,27 @@ async def _pairlink(comm: Communicator, lay: Layout, t: Any) -> Any:
     if lay.pairlink is False:
         return None
     return lay.pairlink
+
+
+async def small_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+    """all_reduce of a small device tensor among island leaders: one copy to pinned host memory, hetccl's host
+    all_reduce, one copy back, all ordered on the caller's stream."""
+    torch = torch_mod()
+    raw = t.view(torch.uint8)
+    n = raw.numel()
+    pinned, _, _ = staging(t.device, max(SMALL_BYTES, 1), 1)
+    host = pinned[0][:n]
+    with torch.cuda.stream(stream):
+        host.copy_(raw, non_blocking=True)
+        out = torch.cuda.Event()
+        out.record(stream)
+    await wait_event(out, deadline, "device-to-host copy")
+    await leaders._all_reduce_flat(host.view(t.dtype), op=op)
+    with torch.cuda.stream(stream):
+        raw.copy_(host, non_blocking=True)
+        back = torch.cuda.Event()
+        back.record(stream)
+    await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
 
 
 async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:

@@ -27,6 +27,10 @@ from ..errors import CollectiveTimeout, PeerLostError, TransportError
 from .runtime import torch_mod, wait_event
 
 IN_PROGRESS = 7
+# the watchdog's polling period while operations are in flight: long, because every CUDA/NCCL call it makes
+# hands the GIL back and forth with the launching thread (polling each event every 0.2 ms doubled the cost of
+# a small all_reduce on the device), and short next to any deadline
+WATCH_PERIOD_S = float(os.environ.get("HETCCL_WATCHDOG_PERIOD_MS", "50")) / 1000
 MAX_IN_FLIGHT = 256  # enqueued, unfinished operations per communicator before a call waits
 log = logging.getLogger("hetccl")
 
@@ -44,7 +48,8 @@ class VendorComm:
         self.lost: dict[int, BaseException] = lost if lost is not None else {}
         self.members = members or []
         self._cv = threading.Condition()
-        self._pending: deque[tuple[Any, float, str]] = deque()  # (event, monotonic deadline, what)
+        self._pending: deque[tuple[Any, float, str, int]] = deque()  # (event, monotonic deadline, what, stream)
+        self._per_stream: dict[int, int] = {}  # stream handle -> operations of _pending on it
         self._watchdog: threading.Thread | None = None
         self._stop = False
 
@@ -116,7 +121,7 @@ class VendorComm:
         if self.broken is not None:
             raise self.broken
         torch = torch_mod()
-        if len(self._pending) >= MAX_IN_FLIGHT:  # never block the host in a full launch queue
+        if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:  # never block in a full queue
             await self._wait_pending(MAX_IN_FLIGHT // 2, deadline, what)
         if self.comm is None:
             raise self.broken or PeerLostError("the vendor communicator was aborted after an error")
@@ -126,7 +131,7 @@ class VendorComm:
         ev = torch.cuda.Event()
         ev.record(stream)
         if not (wait or blocking()):
-            self._track(ev, deadline, what)
+            self._track(ev, deadline, what, stream.cuda_stream)
             return
         try:
             await wait_event(ev, deadline, what, self.poll)
@@ -136,15 +141,38 @@ class VendorComm:
             raise
 
     # ---- watchdog ------------------------------------------------------------------------------------
-    def _track(self, ev: Any, deadline: float, what: str) -> None:
+    def _track(self, ev: Any, deadline: float, what: str, stream: int) -> None:
         # asyncio's loop.time() is time.monotonic(): the watchdog compares deadlines with the same clock
         with self._cv:
-            self._pending.append((ev, deadline, what))
+            self._pending.append((ev, deadline, what, stream))
+            self._per_stream[stream] = self._per_stream.get(stream, 0) + 1
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name=f"hetccl-{self.lib.name}-watchdog",
                                                   daemon=True)
                 self._watchdog.start()
-            self._cv.notify()
+            if len(self._pending) == 1:
+                self._cv.notify()
+
+    def _prune(self) -> tuple[Any, float, str, int] | None:
+        """Forget completed operations; the oldest unfinished one, or None. When every tracked operation
+        is on one stream (the common case), the newest event answers for all of them: one query."""
+        with self._cv:
+            while self._pending:
+                last = self._pending[-1]
+                if self._per_stream.get(last[3]) == len(self._pending) and last[0].query():
+                    self._pending.clear()
+                    self._per_stream.clear()
+                    return None
+                head = self._pending[0]
+                if not head[0].query():
+                    return head
+                self._pending.popleft()
+                left = self._per_stream[head[3]] - 1
+                if left:
+                    self._per_stream[head[3]] = left
+                else:
+                    del self._per_stream[head[3]]
+            return None
 
     def _watch(self) -> None:
         torch = torch_mod()
@@ -155,18 +183,16 @@ class VendorComm:
                     self._cv.wait()
                 if not self._pending:
                     return
-                ev, deadline, what = self._pending[0]
-            if ev.query():
-                with self._cv:
-                    self._pending.popleft()
+            head = self._prune()
+            if head is None:
                 continue
             comm = self.comm
             state = self.lib.comm_get_async_error(comm) if comm is not None else 0
             err: BaseException | None = self._dead_member()
             if state not in (0, IN_PROGRESS):
-                err = PeerLostError(self.lib.describe(state, what, self.comm))
-            elif time.monotonic() > deadline:
-                err = CollectiveTimeout(f"{what} did not complete on the device before the deadline "
+                err = PeerLostError(self.lib.describe(state, head[2], comm))
+            elif time.monotonic() > head[1]:
+                err = CollectiveTimeout(f"{head[2]} did not complete on the device before the deadline "
                                         "(HETCCL_TIMEOUT); a peer of the island is missing or stuck")
             if err is not None:
                 log.error("hetccl: %s communicator aborted: %s", self.lib.name, err)
@@ -174,14 +200,16 @@ class VendorComm:
                 self.abort()  # NCCL's kernels exit, so a thread blocked on the stream is released too
                 with self._cv:
                     self._pending.clear()
-                    self._cv.notify_all()
+                    self._per_stream.clear()
                 continue
-            time.sleep(0.0002)
+            time.sleep(WATCH_PERIOD_S)
 
     async def _wait_pending(self, most: int, deadline: float, what: str) -> None:
         loop = asyncio.get_running_loop()
         spins = 0
         while len(self._pending) > most and self.broken is None:
+            if self._prune() is None:
+                break
             if loop.time() > deadline + 1.0:  # the watchdog acts at the deadline; this is the backstop
                 raise CollectiveTimeout(f"{what}: earlier operations did not complete before the deadline")
             spins += 1
