@@ -30,7 +30,7 @@ from ..config import parse_size
 from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
-from .runtime import as_tensor, divide_inplace, staging, stream_of, torch_mod, wait_event
+from .runtime import as_tensor, divide_inplace, reduce_inplace, staging, stream_of, torch_mod, wait_event
 from .vendor_comm import VendorComm
 
 if TYPE_CHECKING:
@@ -200,7 +200,10 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         elif link is not None:
             await link.all_reduce(t, inner, stream, _deadline(comm))
         else:
-            await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+            # every leader a GPU: gather the chunks and reduce on the devices; a CPU leader reduces on the host
+            # anyway, and then every leader runs the host all_reduce (the same collectives on all of them)
+            on_device = all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+            await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm), on_device)
     if len(members) > 1:
         vc = await _island_vendor(lay, buf)
         await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, 0, vc.comm, s),
@@ -249,7 +252,7 @@ async def small_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: 
     torch = torch_mod()
     raw = t.view(torch.uint8)
     n = raw.numel()
-    pinned, _, _ = staging(t.device, max(SMALL_BYTES, 1), 1)
+    pinned, _, _ = staging(t.device, max(SMALL_BYTES, 1), 1, use="small")
     host = pinned[0][:n]
     with torch.cuda.stream(stream):
         host.copy_(raw, non_blocking=True)
@@ -264,8 +267,13 @@ async def small_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: 
     await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
 
 
-async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
-    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk."""
+async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float,
+                            on_device: bool = False) -> None:
+    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk.
+
+    on_device=False: each chunk goes through hetccl's host all_reduce (host reduction). on_device=True (every
+    leader holds device memory): each chunk is all-gathered through host memory and the leaders' blocks are
+    reduced on the device, in rank order, so that every leader computes bit-identical results."""
     torch = torch_mod()
     raw = t.view(torch.uint8)
     n = raw.numel()
@@ -275,6 +283,10 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
     isz = t.element_size()
     chunk = (STAGE_CHUNK // isz) * isz
     pinned, d2h, h2d = staging(t.device, chunk, 3)
+    k = leaders.size
+    if on_device:
+        gathered, _, _ = staging(t.device, k * chunk, 3, use="gathered")  # k blocks per slot
+        scratch = _device_scratch(t.device, k * chunk, 3)
     d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
     free = [asyncio.Event() for _ in pinned]
     for ev in free:
@@ -285,11 +297,24 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         try:
             await wait_event(copied, deadline, "device-to-host staging")
             host = pinned[slot][:size]
-            await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
-            with torch.cuda.stream(h2d):
-                raw[off: off + size].copy_(host, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(h2d)
+            if on_device:
+                blocks = gathered[slot][:k * size]
+                await leaders.all_gather(blocks.view(t.dtype), host.view(t.dtype), _flat=True)
+                with torch.cuda.stream(h2d):
+                    dev = scratch[slot][:k * size]
+                    dev.copy_(blocks, non_blocking=True)
+                    dst = raw[off: off + size]
+                    dst.copy_(dev[:size], non_blocking=True)
+                    for b in range(1, k):
+                        reduce_inplace(dst.view(t.dtype), dev[b * size:(b + 1) * size].view(t.dtype), op)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
+            else:
+                await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
+                with torch.cuda.stream(h2d):
+                    raw[off: off + size].copy_(host, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
             await wait_event(done, deadline, "host-to-device staging")
         finally:
             free[slot].set()  # also on failure: the loop below then sees the task's error at once
@@ -318,6 +343,19 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         for task in tasks:
             task.cancel()
     stream.wait_stream(h2d)  # work queued after the collective sees the result
+
+
+_SCRATCH: dict[tuple[int, int], list[Any]] = {}
+
+
+def _device_scratch(device: Any, nbytes: int, slots: int) -> list[Any]:
+    torch = torch_mod()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
+    cached = _SCRATCH.get(key)
+    if cached is None or cached[0].numel() < nbytes:
+        cached = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        _SCRATCH[key] = cached
+    return cached
 
 
 async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]

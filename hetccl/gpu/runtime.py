@@ -93,14 +93,14 @@ async def wait_event(event: Any, deadline: float, what: str, poll: Any = None) -
         await asyncio.sleep(0 if spins < 200_000 else 0.0005)
 
 
-_STAGING: dict[tuple[int, int], Any] = {}
+_STAGING: dict[tuple[int, int, str], Any] = {}
 
 
-def staging(device: Any, nbytes: int, slots: int) -> tuple[list[Any], Any, Any]:
-    """Pinned host buffers and two copy streams for a device, allocated once (pinned allocation costs
-    milliseconds: never on the hot path)."""
+def staging(device: Any, nbytes: int, slots: int, use: str = "") -> tuple[list[Any], Any, Any]:
+    """Pinned host buffers and two copy streams for a device, allocated once per (device, slots, use)
+    (pinned allocation costs milliseconds: never on the hot path)."""
     torch = torch_mod()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slots, use)
     cached = _STAGING.get(key)
     if cached is None or cached[0][0].numel() < nbytes:
         bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
