@@ -15,6 +15,7 @@ from .algorithms import direct, latency, ring
 from .bootstrap import Fabric
 from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
 from .errors import ConfigError, HetcclError
+from .flight import FlightRecorder
 from .gpu.buffers import is_device
 from .scheduler import CollCtx, Watchdog, run_collective
 from .wire import CollOp, Fingerprint
@@ -84,6 +85,8 @@ class Communicator:
         self._gpu_layout: Any = None  # island layout (gpu.dispatch.Layout)
         self._islands = len({fabric.records[g].get("island", "cpu") for g in members}) if fabric.records else 1
         self._algo_cache: dict[tuple[str, int], str] = {}
+        self._flight = FlightRecorder()
+        fabric.comms[comm_id] = self
 
     # ---- helpers -------------------------------------------------------------------------------------
     def __repr__(self) -> str:
