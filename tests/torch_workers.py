@@ -250,8 +250,12 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
     if hook != "none":
-        from hetccl.torch import hooks
-
+        # hetccl's hooks on hetccl; on Gloo torch's built-in ones (the same arithmetic), except bf16, which torch
+        # refuses without NCCL: there Gloo runs hetccl's hook too, so only the backend differs
+        if backend == "hetccl" or hook == "bf16":
+            from hetccl.torch import hooks
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
         ddp.register_comm_hook(None, getattr(hooks, f"{hook}_hook" if hook == "allreduce" else f"{hook}_compress_hook"))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + r)
