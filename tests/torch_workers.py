@@ -1,5 +1,6 @@
-"""Rank bodies for tests/test_torch_backend.py: `python tests/torch_workers.py CASE [ARGS...]` under
-`hetccl run` (which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Exit code 0 means every check passed."""
+"""Rank bodies for tests/test_torch_backend.py and tests/test_torch_gpu.py: `python tests/torch_workers.py CASE
+[ARGS...]` under `hetccl run` (which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Exit code 0 means every
+check passed. TORCH_TEST_DEVICE=cuda runs the same cases on CUDA tensors (rank i on GPU i % device_count)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_
 REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bfloat16}
+DEVICE = os.environ.get("TORCH_TEST_DEVICE", "cpu")
+
+
+def _device() -> torch.device:
+    """This rank's device: the CPU, or (TORCH_TEST_DEVICE=cuda) GPU local_rank % device_count, made current."""
+    if DEVICE == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("HETCCL_LOCAL_RANK", "0")))
+    dev = torch.device(DEVICE, local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _init(backend: str = "hetccl") -> torch.device:
+    dev = _device()
+    dist.init_process_group(backend)
+    return dev
 
 
 def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -34,7 +52,7 @@ def _val(r: int, shape: tuple[int, ...], dtype: torch.dtype, base: int = 0) -> t
 
 def case_ops(dtype_name: str) -> None:
     dt = DTYPES[dtype_name]
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     assert dist.get_backend() == "hetccl", dist.get_backend()
     everyone = [_val(q, (3, 4), dt) for q in range(n)]
@@ -196,7 +214,7 @@ def case_ops(dtype_name: str) -> None:
 
 
 def case_async() -> None:
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     ts = [torch.full((1000,), float(r + i)) for i in range(8)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]  # several in flight at once
@@ -219,7 +237,7 @@ def case_async() -> None:
 
 
 def case_subgroup() -> None:
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     members = [0, n - 1]
     g = dist.new_group(members, backend="hetccl")
@@ -244,11 +262,12 @@ def case_subgroup() -> None:
 
 
 def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
-    dist.init_process_group(backend)
+    dev = _init(backend)
     r = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(  # several buckets
+        model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=0.001)
     if hook != "none":
         # hetccl's hooks on hetccl; on Gloo torch's built-in ones (the same arithmetic), except bf16, which torch
         # refuses without NCCL: there Gloo runs hetccl's hook too, so only the backend differs
@@ -261,7 +280,7 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
     gen = torch.Generator().manual_seed(100 + r)
     losses = []
     for _ in range(3):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -289,21 +308,22 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dist.init_process_group(backend)
+    dev = _init(backend)
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = _fsdp_model()
+    model = _fsdp_model().to(dev)
     kw: dict = {}
-    if variant == "mesh":  # an explicit DeviceMesh with a dimension name
-        kw["mesh"] = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
-    elif variant == "hsdp":  # 2-D mesh: replicate over every rank, shard over one (all_reduce on a subgroup)
-        kw["mesh"] = init_device_mesh("cpu", (n, 1), mesh_dim_names=("replicate", "shard"))
-    elif variant == "bf16":  # parameters gathered in bf16, gradients reduced in fp32
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    elif variant == "keep":  # parameters stay unsharded between forward and backward
-        kw["reshard_after_forward"] = False
-    elif variant != "plain" and variant != "divide":
+    if variant not in ("plain", "mesh", "hsdp", "bf16-keep", "divide"):
         raise SystemExit(f"unknown variant {variant}")
+    if variant == "mesh" or (variant != "hsdp" and dev.type == "cpu" and torch.cuda.is_available()):
+        # an explicit DeviceMesh with a dimension name (and on a GPU machine the only way to keep FSDP2 on the CPU)
+        kw["mesh"] = init_device_mesh(dev.type, (n,), mesh_dim_names=("dp",))
+    if variant == "hsdp":  # 2-D mesh: replicate over every rank, shard over one (all_reduce on a subgroup)
+        kw["mesh"] = init_device_mesh(dev.type, (n, 1), mesh_dim_names=("replicate", "shard"))
+    if variant == "bf16-keep":
+        # parameters gathered in bf16, gradients reduced in fp32; they stay unsharded from forward to backward
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["reshard_after_forward"] = False
     for m in model:
         if isinstance(m, torch.nn.Linear):
             fully_shard(m, **kw)
@@ -314,7 +334,7 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(float(n + 1))
-                if backend == "gloo":
+                if backend == "gloo":  # NCCL has PREMUL_SUM itself
                     m.set_force_sum_reduction_for_comms(True)
     if backend == "hetccl":
         assert dist.group.WORLD.group_name, "group name"  # what DeviceMesh reads
@@ -322,7 +342,7 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
     gen = torch.Generator().manual_seed(100 + r)
     losses = []
     for _ in range(3):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()

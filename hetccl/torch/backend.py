@@ -142,7 +142,29 @@ def _single(tensors: Sequence[Any], what: str) -> Any:
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0)
+    """The tensors concatenated into one new contiguous host tensor (device tensors are staged through host)."""
+    if not ts:
+        return torch.empty(0, device="cpu")
+    return torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu")
+
+
+def _cuda_devices(obj: Any, found: set[int] | None = None) -> list[int]:
+    """CUDA device indices of the tensors in obj (nested lists): a Future holding them must be told."""
+    found = set() if found is None else found
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda":
+            found.add(obj.device.index if obj.device.index is not None else torch.cuda.current_device())
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            _cuda_devices(o, found)
+    return sorted(found)
+
+
+def _future(result: Any) -> torch.futures.Future:
+    """A Future for `result`; one that will hold CUDA tensors is created with their devices (else torch refuses
+    to complete it), so that waiting on it orders the waiter's stream after the copy back."""
+    devices = _cuda_devices(result)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
 
 def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
@@ -194,7 +216,7 @@ class HetcclBackend(dist.ProcessGroup):
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
                 after: Callable[[], None] | None = None) -> Any:
         """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
 
         async def body() -> None:
             await coro_fn()
@@ -248,7 +270,7 @@ class HetcclBackend(dist.ProcessGroup):
         if len(outs) != self._size:
             raise UnsupportedError(f"hetccl backend: allgather needs {self._size} output tensors (got {len(outs)})")
         _same_shapes(outs, inp.buf, "allgather")
-        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype)
+        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype, device="cpu")
 
         def after() -> None:
             n = inp.buf.numel()
@@ -287,9 +309,9 @@ class HetcclBackend(dist.ProcessGroup):
             if len(outs) != self._size:
                 raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs {self._size} outputs per input")
             _same_shapes(outs, inp, "all_gather_coalesced")
-        flat_in = _flat(inputs).to("cpu")
+        flat_in = _flat(inputs)
         n = flat_in.numel()
-        flat = torch.empty(self._size * n, dtype=flat_in.dtype)
+        flat = torch.empty(self._size * n, dtype=flat_in.dtype, device="cpu")
 
         def after() -> None:
             with torch.no_grad():
@@ -333,7 +355,7 @@ class HetcclBackend(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # torch 2.13's name
 
     def _chain(self, works: list[Any], result: Any) -> Any:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
         futs = [w.get_future() for w in works]
         if not futs:
             fut.set_result(result)
@@ -421,7 +443,7 @@ class HetcclBackend(dist.ProcessGroup):
         dtype = flat_in.dtype
         if any(t.dtype != dtype for t in output_tensors):
             raise UnsupportedError("hetccl backend: all_to_all needs one dtype for all tensors")
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype, device="cpu")
         out_st = _Staged(flat_out, writeback=False)
         isz, osz = [t.numel() for t in input_tensors], [t.numel() for t in output_tensors]
 
@@ -439,7 +461,7 @@ class HetcclBackend(dist.ProcessGroup):
         return self._chain_after(w, after, work_result)
 
     def _chain_after(self, work: Any, after: Callable[[], None], result: Any) -> Any:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
 
         def done(f: Any) -> None:
             try:
@@ -462,7 +484,7 @@ class HetcclBackend(dist.ProcessGroup):
             if len(outs) != self._size:
                 raise UnsupportedError(f"hetccl backend: gather needs {self._size} output tensors on the root")
             _same_shapes(outs, inp.buf, "gather")
-            flat = torch.empty(self._size * n, dtype=inp.buf.dtype)
+            flat = torch.empty(self._size * n, dtype=inp.buf.dtype, device="cpu")
 
             def after() -> None:
                 with torch.no_grad():
