@@ -13,7 +13,7 @@ table gives the median over every timed step of every repetition, the per-repeti
 to Gloo. A "compute only" row runs the same steps under `ddp.no_sync()` (no gradient communication at all),
 so step - compute is what communication costs after overlap. Backends alternate within a repetition and the
 order flips every repetition; a contention guard (cpuguard.py) waits for foreign load to clear before each
-run and reports what it saw during it.
+run, runs a contended run again (--guard-redo times, keeping the quietest) and reports the foreign load seen.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--no-compute-row", action="store_true", help="skip the no_sync (compute only) run")
     ap.add_argument("--no-guard", action="store_true")
     ap.add_argument("--guard-thresh", type=float, default=25.0, help="foreign CPU %% of one core counted as quiet")
-    ap.add_argument("--guard-wait", type=float, default=60.0)
+    ap.add_argument("--guard-wait", type=float, default=60.0, help="seconds to wait for quiet before a run")
+    ap.add_argument("--guard-redo", type=int, default=2, help="reruns of a run that saw more foreign CPU than that")
     ap.add_argument("--run-timeout", type=float, default=900.0)
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--out", default="", help="markdown report (default benchmarks/results/ddp-<device>-<date>.md)")
@@ -194,6 +195,13 @@ def main() -> None:
         order = configs if rep % 2 == 0 else configs[::-1]
         for c in order:
             r = run_one(a, *c, guard)
+            for _ in range(a.guard_redo if guard is not None else 0):  # contended: run it again, keep the quietest
+                if r["foreign_pct"] <= a.guard_thresh:
+                    break
+                print(f"  guard: {label(*c)} ran beside {r['foreign_pct']:.0f}% foreign CPU ({r['foreign_top']}); "
+                      "running it again", flush=True)
+                again = run_one(a, *c, guard)
+                r = min(r, again, key=lambda x: x["foreign_pct"])
             runs[c].append(r)
             med = statistics.median(r["step_s"]) * 1e3
             print(f"rep {rep + 1}/{a.reps} {label(*c):28s} median step {med:8.1f} ms  "
