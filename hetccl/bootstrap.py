@@ -22,6 +22,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from . import observe
 from .config import Identity, Settings
 from .errors import ConfigError, HetcclError, PeerLostError
 from .netio import route_source_addr
@@ -94,6 +95,7 @@ class Fabric:
 
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
+        observe.setup(identity)
         fab = cls(identity, settings)
         try:
             await fab._bootstrap()
@@ -157,9 +159,7 @@ class Fabric:
         results = await asyncio.gather(*(t.connect(plan[t.name]) for t in self.transports))
         for eps in results:
             self.endpoints.update(eps)
-        log.info("hetccl: rank %d/%d host %s local %d/%d transports %s", rank, size, socket.gethostname(),
-                 self.topology.local_rank(rank), len(ctx.local_ranks),
-                 {p: self.peer_transport[p] for p in sorted(self.peer_transport)})
+        await observe.on_init(self, bind)
 
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
@@ -191,6 +191,7 @@ class Fabric:
                     await self.store.set(f"{self.job}/closed/{self.rank}", 1)
                     if self.server is not None:
                         await self._wait_all_closed(wait)
+        observe.on_close(self)
         for t in self.transports:
             with contextlib.suppress(Exception):
                 await t.close()
