@@ -114,14 +114,9 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
 
 
 def _ranges(ranks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
+    from .observe import rank_ranges
+
+    return ",".join(rank_ranges(ranks))
 
 
 async def _main(as_json: bool) -> int:

@@ -257,3 +257,21 @@ async def test_store_time_command() -> None:
     finally:
         cli.close()
         await srv.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_crossover_is_where_the_cost_model_switches(kind: str, n: int) -> None:
+    from hetccl import algorithms
+
+    for op in algorithms.CHOOSABLE:
+        first, at, other = observe.crossover_bytes(op, n, kind)
+        if at is None:
+            assert algorithms.choose(op, 1 << 40, n, kind, {}) == first
+            assert observe.crossover(op, n, kind, {}) == f"{first} always"
+            continue
+        assert algorithms.choose(op, at - 1, n, kind, {}) == first != other
+        assert algorithms.choose(op, at, n, kind, {}) == other
+        assert observe.crossover(op, n, kind, {}) == f"{first}<{observe.fmt_bytes(at)}<={other}"
+    assert observe.crossover("broadcast", n, kind, {"broadcast": "ring"}) == "ring (HETCCL_ALGO)"
+    assert observe.rank_ranges([0, 1, 2, 5, 7, 8]) == ["0-2", "5", "7-8"]

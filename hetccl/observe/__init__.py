@@ -142,14 +142,11 @@ def fmt_bytes(n: int) -> str:
     return f"{n}B"
 
 
-def crossover(op: str, n: int, kind: str, override: dict[str, str]) -> str:
-    """How `algorithms.choose` picks for op on n ranks over `kind`: e.g. 'latency<1.9M<=ring'."""
+def crossover_bytes(op: str, n: int, kind: str) -> tuple[str, int | None, str | None]:
+    """(choice for 1 byte, first size in bytes where `algorithms.choose` picks otherwise, that choice);
+    (choice, None, None) when it never changes up to 1 TiB."""
     from .. import algorithms
 
-    if op in override:
-        return f"{override[op]} (HETCCL_ALGO)"
-    if n <= 1:
-        return "latency"
     first = algorithms.choose(op, 1, n, kind, {})
     prev, size = 1, 2
     while size <= 1 << 40:
@@ -158,10 +155,31 @@ def crossover(op: str, n: int, kind: str, override: dict[str, str]) -> str:
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if algorithms.choose(op, mid, n, kind, {}) == first else (lo, mid)
-            other = algorithms.choose(op, hi, n, kind, {})
-            return f"{first}<{fmt_bytes(hi)}<={other}"
+            return first, hi, algorithms.choose(op, hi, n, kind, {})
         prev, size = size, size * 2
-    return f"{first} always"
+    return first, None, None
+
+
+def crossover(op: str, n: int, kind: str, override: dict[str, str]) -> str:
+    """How the cost model picks for op on n ranks over `kind`, e.g. 'latency<1.9M<=ring'."""
+    if op in override:
+        return f"{override[op]} (HETCCL_ALGO)"
+    if n <= 1:
+        return "latency"
+    first, at, other = crossover_bytes(op, n, kind)
+    return f"{first} always" if at is None else f"{first}<{fmt_bytes(at)}<={other}"
+
+
+def rank_ranges(ranks: list[int]) -> list[str]:
+    """[0, 1, 2, 5, 7, 8] -> ['0-2', '5', '7-8']."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return out
 
 
 def init_summary(fab: Fabric) -> str:
@@ -171,7 +189,10 @@ def init_summary(fab: Fabric) -> str:
 
     rank, size = fab.rank, fab.size
     rec = fab.records[rank] if fab.records else {}
-    peers = " ".join(f"{p}:{t}" for p, t in sorted(fab.peer_transport.items())) or "none"
+    by: dict[str, list[int]] = {}
+    for p, t in sorted(fab.peer_transport.items()):
+        by.setdefault(t, []).append(p)
+    peers = " ".join(f"{','.join(rank_ranges(ps))}:{t}" for t, ps in sorted(by.items())) or "none"
     kind = fab.transport_kind(list(range(size)))
     override = algorithms.parse_override(fab.settings.algo)
     algos = " ".join(f"{op}={crossover(op, size, kind, override)}" for op in algorithms.CHOOSABLE)
