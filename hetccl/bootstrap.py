@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import observe
 from .config import Identity, Settings
 from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError
 from .netio import route_source_addr
@@ -101,6 +102,7 @@ class Fabric:
 
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
+        observe.setup(identity)
         fab = cls(identity, settings)
         try:
             await fab._bootstrap()
@@ -167,9 +169,7 @@ class Fabric:
         for ep in self.endpoints.values():
             ep.matcher.on_notice = self._notice
             ep.matcher.on_stash = self._stashed
-        log.info("hetccl: rank %d/%d host %s local %d/%d transports %s", rank, size, socket.gethostname(),
-                 self.topology.local_rank(rank), len(ctx.local_ranks),
-                 {p: self.peer_transport[p] for p in sorted(self.peer_transport)})
+        await observe.on_init(self, bind)
 
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
@@ -261,6 +261,7 @@ class Fabric:
                     await self.store.set(f"{self.job}/closed/{self.rank}", 1)
                     if self.server is not None:
                         await self._wait_all_closed(wait)
+        observe.on_close(self)
         for t in self.transports:
             with contextlib.suppress(Exception):
                 await t.close()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import native
+from . import observe as _obs
 from .dtypes import Buf, DType, ReduceOp
 from .errors import CollectiveMismatchError, CollectiveTimeout, HetcclError
 from .flight import DONE, FAILED
@@ -79,15 +80,19 @@ class CollCtx:
         self.reducer = _reducer(dtype, op) if op is not None else None
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
+        if _obs.ON:
+            return _obs.send(self, peer, tag, data)
         return self.eps[peer].send(self.fp, tag, data)
 
     def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False, incoming_first: bool = False
              ) -> asyncio.Future:
         """Receive into dst; with reduce, dst = dst OP incoming (or incoming OP dst with incoming_first: the
         operand order matters only for bitwise agreement on ties, e.g. min(-0.0, +0.0))."""
-        if not reduce:
-            return self.eps[peer].post_recv(self.fp, tag, dst, None)
-        fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
+        fn = None
+        if reduce:
+            fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
+        if _obs.ON:
+            return _obs.recv(self, peer, tag, dst, fn)  # type: ignore[return-value]
         return self.eps[peer].post_recv(self.fp, tag, dst, fn)
 
     def finish_avg(self, buf: Buf | np.ndarray, divisor: int | None = None) -> None:
@@ -171,6 +176,8 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
     if poisoned is not None:
         raise CollectiveMismatchError(f"{poisoned} (this communicator is unusable after it; create a new one)")
     key, rec = comm._watchdog.enter(timeout)
+    if _obs.ON:
+        body = _obs.collective(comm, fp, body, rec)
     flight = comm._flight.begin(fp)
     state = FAILED
     try:
