@@ -112,12 +112,17 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
                 os.environ["HETCCL_SECRET"] = old
 
 
-class _Staged:
-    """A contiguous stand-in for a tensor; `finish()` copies results back into the original."""
+# CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
+# islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
+_CUDA_DIRECT = os.environ.get("HETCCL_TORCH_CUDA", "direct") != "staged"
 
-    def __init__(self, t: torch.Tensor, writeback: bool = True):
-        if t.device.type != "cpu":
-            # CUDA transport lives in hetccl.gpu; until the torch path routes there, stage through host memory
+
+class _Staged:
+    """A contiguous stand-in for a tensor; `finish()` copies results back into the original. CUDA tensors stay
+    on the device unless `host` (ops hetccl runs only on host memory: point-to-point)."""
+
+    def __init__(self, t: torch.Tensor, writeback: bool = True, host: bool = False):
+        if t.device.type != "cpu" and (host or not _CUDA_DIRECT):
             self.orig, self.buf, self.writeback = t, t.detach().to("cpu").contiguous(), writeback
         elif t.is_contiguous():
             self.orig, self.buf, self.writeback = t, t, False
@@ -217,11 +222,19 @@ class HetcclBackend(dist.ProcessGroup):
                 after: Callable[[], None] | None = None) -> Any:
         """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
         fut = _future(result)
+        # the caller's stream: device collectives are enqueued on it (not on the loop thread's own current
+        # stream), and copies back and the future's completion events are recorded on it
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
 
         async def body() -> None:
+            if stream is not None:
+                from ..gpu.runtime import CALLER_STREAM
+
+                CALLER_STREAM.set(stream)  # this task's context only
             await coro_fn()
 
-        def done(cf: Any) -> None:
+        def complete(cf: Any) -> None:
             try:
                 exc = cf.exception()
                 if exc is None and after is not None:
@@ -232,6 +245,13 @@ class HetcclBackend(dist.ProcessGroup):
                 fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             else:
                 fut.set_result(result)
+
+        def done(cf: Any) -> None:
+            if stream is None:
+                complete(cf)
+            else:
+                with torch.cuda.stream(stream):
+                    complete(cf)
 
         self._comm.submit(body()).add_done_callback(done)
         return _create_work_from_future(fut)
@@ -389,7 +409,8 @@ class HetcclBackend(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
-        out, inp = _Staged(output), _Staged(input, writeback=False)
+        uneven = bool(output_split_sizes or input_split_sizes)  # point-to-point exchanges: host memory
+        out, inp = _Staged(output, host=uneven), _Staged(input, writeback=False, host=uneven)
         if out.buf.numel() != inp.buf.numel() or inp.buf.numel() % self._size:
             if not output_split_sizes and not input_split_sizes:
                 raise UnsupportedError("hetccl backend: all_to_all_single without split sizes needs input and "
@@ -457,7 +478,7 @@ class HetcclBackend(dist.ProcessGroup):
         if len(set(isz)) == 1 and isz == osz:
             return self._launch(lambda: self._acomm.all_to_all(flat_out, flat_in), output_tensors, after)
         work_result = output_tensors
-        w = self._alltoallv(out_st, _Staged(flat_in, writeback=False), osz, isz, work_result)
+        w = self._alltoallv(out_st, _Staged(flat_in, writeback=False, host=True), osz, isz, work_result)
         return self._chain_after(w, after, work_result)
 
     def _chain_after(self, work: Any, after: Callable[[], None], result: Any) -> Any:
@@ -509,11 +530,11 @@ class HetcclBackend(dist.ProcessGroup):
 
     # ---- point to point and barrier ------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        st = _Staged(_single(tensors, "send"), writeback=False)
+        st = _Staged(_single(tensors, "send"), writeback=False, host=True)
         return self._launch(lambda: self._acomm.send(st.buf, int(dst)), list(tensors))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        st = _Staged(_single(tensors, "recv"))
+        st = _Staged(_single(tensors, "recv"), host=True)
         return self._launch(lambda: self._acomm.recv(st.buf, int(src)), list(tensors), st.finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
