@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl.torch  # noqa: F401  (registers the "hetccl" backend)
+from hetccl.torch.backend import UnsupportedError
 
 # torch 2.13 names (all_gather_single / reduce_scatter_single), falling back to the older ones
 ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +36,15 @@ def _init(backend: str = "hetccl") -> torch.device:
     dev = _device()
     dist.init_process_group(backend)
     return dev
+
+
+def premul_readable() -> bool:
+    """Whether this torch shows a PREMUL_SUM's factor to Python (2.13 does, 2.11 does not)."""
+    try:
+        dist._make_nccl_premul_sum(0.5).factor  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -183,7 +193,14 @@ def case_ops(dtype_name: str) -> None:
     _eq(got_n, _val(nxt, (6,), dt), "batch_isend_irecv from next")
 
     # PREMUL_SUM (FSDP2's gradient divide factor): sum of inputs * factor; integers are rejected
-    if dt.is_floating_point:
+    if dt.is_floating_point and not premul_readable():  # torch 2.11 does not show the factor to Python
+        try:
+            dist.all_reduce(_val(r, (3, 4), dt), op=dist._make_nccl_premul_sum(0.5))
+        except UnsupportedError as e:
+            assert "PREMUL_SUM" in str(e), e
+        else:
+            raise AssertionError("PREMUL_SUM without a readable factor should be refused")
+    elif dt.is_floating_point:
         t = _val(r, (3, 4), dt)
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         _eq(t, (stacked.sum(0) * 0.5).to(dt), "all_reduce PREMUL_SUM")

@@ -58,6 +58,8 @@ def as_device_buf(obj: Any, name: str = "buffer") -> DeviceBuf:
     if mod.startswith("torch"):
         import torch
 
+        if obj.device.type == "cpu":
+            raise ConfigError(f"{name} is a CPU tensor where device memory is needed; pass a CUDA/ROCm tensor")
         if not obj.is_contiguous():
             raise ConfigError(f"{name} is not contiguous; pass tensor.contiguous() and copy the result back")
         vendor = "hip" if getattr(torch.version, "hip", None) else "cuda"

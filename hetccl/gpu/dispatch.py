@@ -60,6 +60,7 @@ class Layout:
     island_comm: Any = None  # hetccl communicator of my island (None when it is the whole communicator)
     leaders: Any = None  # hetccl communicator of the island leaders (None off leaders / single island)
     vendor_comms: dict[int, VendorComm] = field(default_factory=dict)
+    vendor_pending: dict[int, asyncio.Task] = field(default_factory=dict)  # vendor communicators being made
     pairlink: Any = None  # zero-copy cross-island link (two GPU leaders on one host)
 
     @property
@@ -97,7 +98,13 @@ async def layout(comm: Communicator) -> Layout:
 
 async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm:
     vc = lay.vendor_comms.get(buf.device)
-    if vc is None:
+    if vc is not None:
+        return vc
+    # Created once, by a task that every concurrent caller awaits: collectives issued back to back while it is
+    # being made (torch async ops, asyncio.gather) resume in issue order, so every rank enqueues them into
+    # NCCL in the same order (NCCL requires it), and only one communicator is made per key.
+    task = lay.vendor_pending.get(buf.device)
+    if task is None:
         label = lay.labels[comm.rank]
         vendor = vendor_of(label)
         if vendor is None:
@@ -107,11 +114,20 @@ async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm
         sub = lay.island_comm or comm
         fab = comm._fabric
         # the same key on every island member (their devices differ): the island's n-th vendor communicator
-        key = f"{fab.job}/vendor/{sub.comm_id}/{len(lay.vendor_comms)}"
-        vc = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members), buf.device,
-                                     comm._settings.timeout, fab.lost, [comm._members[m] for m in members])
-        lay.vendor_comms[buf.device] = vc
-    return vc
+        key = f"{fab.job}/vendor/{sub.comm_id}/{len(lay.vendor_comms) + len(lay.vendor_pending)}"
+
+        async def make() -> VendorComm:
+            try:
+                made = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members),
+                                               buf.device, comm._settings.timeout, fab.lost,
+                                               [comm._members[m] for m in members])
+                lay.vendor_comms[buf.device] = made
+                return made
+            finally:
+                lay.vendor_pending.pop(buf.device, None)
+
+        task = lay.vendor_pending[buf.device] = asyncio.ensure_future(make())
+    return await asyncio.shield(task)
 
 
 async def _island_vendor(lay: Layout, buf: DeviceBuf) -> VendorComm:
@@ -385,7 +401,9 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
                      ) -> None:
     """Device buffers for any collective but all_reduce: the vendor CCL on one GPU island, else staging."""
     lay = await layout(comm)
-    if not lay.single or name not in VENDOR_OPS or vendor_of(lay.labels[comm.rank]) is None:
+    nbufs = 1 if name in ("broadcast", "reduce") else 2
+    mixed = not all(is_device(a) for a in args[:nbufs])  # e.g. a host output for a device input
+    if mixed or not lay.single or name not in VENDOR_OPS or vendor_of(lay.labels[comm.rank]) is None:
         await staged(comm, name, args, kwargs, outputs)
         return
     deadline = _deadline(comm)

@@ -290,7 +290,7 @@ class HetcclBackend(dist.ProcessGroup):
         if len(outs) != self._size:
             raise UnsupportedError(f"hetccl backend: allgather needs {self._size} output tensors (got {len(outs)})")
         _same_shapes(outs, inp.buf, "allgather")
-        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype, device="cpu")
+        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype, device=inp.buf.device)
 
         def after() -> None:
             n = inp.buf.numel()
