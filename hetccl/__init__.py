@@ -19,6 +19,7 @@ from .errors import (
     AuthenticationError,
     CollectiveMismatchError,
     CollectiveTimeout,
+    CommAbortedError,
     ConfigError,
     HetcclError,
     PeerLostError,
@@ -83,6 +84,7 @@ def run(main: Any) -> Any:
 
 
 __all__ = [
+    "CommAbortedError",
     "init", "init_sync", "run", "Communicator", "SyncCommunicator", "ReduceOp", "DType",
     "HetcclError", "CollectiveTimeout", "PeerLostError", "CollectiveMismatchError", "AuthenticationError",
     "ConfigError", "TransportError", "ProtocolError", "__version__",

@@ -180,6 +180,21 @@ class Fabric:
         for ep in self.endpoints.values():
             ep.fail(err)
 
+    def heal(self, peers: list[int], dead_comms: tuple[int, ...] = ()) -> None:
+        """After a loss, let the survivors' connections carry new communicators again: clear the error their
+        matchers were failed with (the connections themselves are intact), and drop any frame, kept or still
+        arriving, of the communicators in `dead_comms`."""
+        for p in peers:
+            ep = self.endpoints.get(p)
+            if ep is None or p in self.lost:
+                continue
+            m = ep.matcher
+            m.error = None
+            m.dead_comms.update(dead_comms)
+            for key in [k for k in m.early if k[0] in m.dead_comms]:
+                m.early_bytes -= len(m.early.pop(key)[1])
+            m._space.set()
+
     # ---- collective mismatches ---------------------------------------------------------------------------
     def poison(self, comm: int, exc: CollectiveMismatchError) -> None:
         """Make communicator `comm` unusable: fail its pending receives, and every later collective on it."""

@@ -3,6 +3,7 @@ it through the scheduler. One process fabric (connections) may serve several com
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 from collections import defaultdict
@@ -14,7 +15,7 @@ from . import algorithms
 from .algorithms import direct, latency, ring
 from .bootstrap import Fabric
 from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
-from .errors import ConfigError, HetcclError
+from .errors import CollectiveTimeout, CommAbortedError, ConfigError, HetcclError, PeerLostError
 from .flight import FlightRecorder
 from .gpu.buffers import is_device
 from .scheduler import CollCtx, Watchdog, run_collective
@@ -60,6 +61,13 @@ class _ScratchPool:
             self._free.append(arr)
 
 
+def _derived_id(parent: int, what: str) -> int:
+    """A communicator id made from its parent's and a description every member computes alike."""
+    digest = hashlib.blake2s(f"{parent}/{what}".encode(), digest_size=4).digest()
+    child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
+    return child_id if child_id > 1 else child_id + 2
+
+
 class Communicator:
     """A group of ranks that run collectives together. Create with `await hetccl.init()`."""
 
@@ -86,6 +94,7 @@ class Communicator:
         self._islands = len({fabric.records[g].get("island", "cpu") for g in members}) if fabric.records else 1
         self._algo_cache: dict[tuple[str, int], str] = {}
         self._flight = FlightRecorder()
+        self._aborted: HetcclError | None = None  # set by abort() / shrink(): every later call raises it
         fabric.comms[comm_id] = self
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -99,6 +108,8 @@ class Communicator:
     def _check_open(self) -> None:
         if self._closed:
             raise HetcclError("communicator is closed; create a new one with hetccl.init()")
+        if self._aborted is not None:
+            raise self._aborted
 
     def _fp(self, op: int, dtype: DType | None, count: int, root: int = -1,
             redop: ReduceOp | None = None) -> Fingerprint:
@@ -339,15 +350,81 @@ class Communicator:
             return None
         members = sorted((int(table[2 * r + 1]), r) for r in range(self.size) if table[2 * r] == color)
         global_members = [self._members[r] for _, r in members]
-        digest = hashlib.blake2s(f"{self.comm_id}/{self._splits}/{color}".encode(), digest_size=4).digest()
-        child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
-        child = Communicator(self._fabric, child_id if child_id > 1 else child_id + 2, global_members)
+        child = Communicator(self._fabric, _derived_id(self.comm_id, f"{self._splits}/{color}"), global_members)
         self._children.append(child)
         if _layout and child._islands > 1:  # collective among the child's members, right at its creation
             from .gpu import dispatch
 
             await dispatch.build_layout(child)
         return child
+
+    # ---- failures ------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """End, on this rank, every collective of this communicator (and of its sub-communicators) in flight:
+        they raise CommAbortedError at once, and so does every later call. Device work is ended by aborting
+        the vendor communicators. Not collective; other ranks see this rank stop answering (use shrink() on
+        the survivors, or a new job)."""
+        if self._aborted is None:
+            self._aborted = CommAbortedError(f"rank {self.rank}: communicator {self.comm_id:#x} was aborted")
+        self._watchdog.abort_all()
+        for ep in self._endpoints.values():
+            ep.matcher.cancel_comm(self.comm_id, self._aborted)
+            ep.matcher.cancel_comm(self.comm_id | P2P_SPACE, self._aborted)
+        if self._gpu_layout is not None:
+            from .gpu import dispatch
+
+            for vc in dispatch._vendor_comms(self):
+                vc.abort()
+        for child in self._children:
+            child.abort()
+
+    async def shrink(self, timeout: float | None = None) -> Communicator:
+        """Collective among the ranks still alive: a new communicator without the lost ones.
+
+        Call it on every survivor after a PeerLostError. The survivors agree on who is lost over their own
+        connections (the rendezvous store may have died with rank 0): each proposes the ranks it saw die,
+        they exchange proposals and retry with the union until all agree. The new communicator keeps the
+        survivors in their old order, renumbered from 0 (old rank 3 of 4 becomes rank 2 if rank 1 died). This
+        communicator becomes unusable (CommAbortedError). Raises CollectiveTimeout if the survivors cannot
+        agree within `timeout` (default HETCCL_TIMEOUT)."""
+        if self._closed:
+            raise HetcclError("communicator is closed; shrink it before closing")
+        fab = self._fabric
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout or self._settings.timeout)
+        self.abort()  # nothing of the old communicator runs on
+        while True:
+            alive = [g for g in self._members if g not in fab.lost]
+            fab.heal([g for g in alive if g != fab.rank], dead_comms=(self.comm_id, self.comm_id | P2P_SPACE))
+            seen = np.array([1 if g in fab.lost else 0 for g in self._members], np.uint8)
+            # survivors with the same view run the same probe; a new loss seen meanwhile restarts it
+            probe = Communicator(fab, _derived_id(self.comm_id, f"shrink/{alive}"), alive)
+            table = np.zeros(len(alive) * len(seen), np.uint8)
+            task = asyncio.ensure_future(probe.all_gather(table, seen, _flat=True))
+            known = len(fab.lost)
+            while not task.done() and len(fab.lost) == known and loop.time() < deadline:
+                await asyncio.wait([task], timeout=0.05)
+            probe._closed = True
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            elif task.exception() is None:
+                views = table.reshape(len(alive), len(seen))
+                if (views == seen).all():
+                    break
+                for i in np.flatnonzero(views.max(axis=0)):  # another survivor saw this rank die
+                    g = self._members[int(i)]
+                    if g not in fab.lost:
+                        fab._peer_lost(g, PeerLostError(f"rank {g} was reported lost by another survivor", g))
+            if loop.time() > deadline:
+                raise CollectiveTimeout(f"shrink: the survivors of communicator {self.comm_id:#x} did not agree "
+                                        "on who is lost before the deadline")
+            await asyncio.sleep(0.01)
+        new = Communicator(fab, _derived_id(self.comm_id, f"shrunk/{alive}"), alive)
+        self._aborted = CommAbortedError(f"communicator {self.comm_id:#x} was shrunk; use the communicator "
+                                         "that shrink() returned")
+        return new
 
     def _same_dtype(self, a: Buf, b: Buf) -> None:
         if a.dtype != b.dtype:

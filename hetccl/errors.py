@@ -27,6 +27,10 @@ class CollectiveMismatchError(HetcclError):
     """Ranks issued different collectives (op, dtype, count, root, reduce op or order)."""
 
 
+class CommAbortedError(HetcclError):
+    """The communicator was aborted (`comm.abort()`); create a new one, or `shrink()` another."""
+
+
 class AuthenticationError(HetcclError, PermissionError):
     """A connection failed the job-secret HMAC challenge."""
 
@@ -45,6 +49,7 @@ __all__ = [
     "CollectiveTimeout",
     "PeerLostError",
     "CollectiveMismatchError",
+    "CommAbortedError",
     "AuthenticationError",
     "TransportError",
     "ProtocolError",

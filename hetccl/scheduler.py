@@ -16,7 +16,7 @@ import numpy as np
 from . import native
 from . import observe as _obs
 from .dtypes import Buf, DType, ReduceOp
-from .errors import CollectiveMismatchError, CollectiveTimeout, HetcclError
+from .errors import CollectiveMismatchError, CollectiveTimeout, CommAbortedError, HetcclError
 from .flight import DONE, FAILED
 from .wire import Fingerprint
 
@@ -137,6 +137,9 @@ async def gather_fail_fast(aws: list[Awaitable[Any]]) -> None:
                 t.exception()  # mark retrieved
 
 
+ABORTED = "aborted"  # Watchdog record flag: the collective was ended by comm.abort(), not by its deadline
+
+
 class Watchdog:
     """Deadlines for in-flight collectives without a timer per call: one periodic check cancels the task
     of any collective past its deadline (asyncio.timeout costs several microseconds per call)."""
@@ -159,6 +162,13 @@ class Watchdog:
     def exit(self, key: int) -> None:
         self.inflight.pop(key, None)
 
+    def abort_all(self) -> None:
+        """End every collective in flight now (comm.abort())."""
+        for rec in self.inflight.values():
+            if not rec[2] and rec[1] is not None:
+                rec[2] = ABORTED
+                rec[1].cancel()
+
     def _tick(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
         now = loop.time()
         for rec in self.inflight.values():
@@ -172,6 +182,8 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
                          ) -> Any:
     """Run one collective under the communicator's deadline; on failure, withdraw its receives."""
     timeout = comm._settings.timeout
+    if comm._aborted is not None:
+        raise comm._aborted
     poisoned = comm._fabric.poisoned.get(fp.comm)
     if poisoned is not None:
         raise CollectiveMismatchError(f"{poisoned} (this communicator is unusable after it; create a new one)")
@@ -193,6 +205,10 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
+        if rec[2] == ABORTED:
+            exc = comm._aborted or CommAbortedError(f"rank {comm.rank}: {fp.describe()} ended by comm.abort()")
+            _withdraw(comm, fp, exc)
+            raise exc from None
         waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer)
                           for ep in comm._endpoints.values()
                           for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})

@@ -90,6 +90,13 @@ class SyncCommunicator:
         sub = self._runner.call(self._comm.split(color, key), self._limit)
         return None if sub is None else SyncCommunicator(sub, self._runner, False)
 
+    def shrink(self, timeout: float | None = None) -> SyncCommunicator:
+        new = self._runner.call(self._comm.shrink(timeout), self._limit)
+        return SyncCommunicator(new, self._runner, False)
+
+    def abort(self) -> None:
+        self._runner.loop.call_soon_threadsafe(self._comm.abort)
+
     def close(self) -> None:
         try:
             self._runner.call(self._comm.close(), 60.0)

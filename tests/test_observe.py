@@ -164,18 +164,19 @@ def test_metrics_scraped_during_a_real_job(tmp_path, transports: str) -> None:
             assert info and info[0]["rank"] == str(who) and info[0]["local_rank"] == str(who)
             assert get("hetccl_collective_ops_total", op="all_reduce", algo="ring") == 3
             assert get("hetccl_collective_bytes_total", op="all_reduce", algo="ring") == 3 * 4096 * 4
-            assert get("hetccl_collective_ops_total", op="all_gather", algo="ring") == 2
-            assert get("hetccl_collective_bytes_total", op="all_gather", algo="ring") == 2 * 2 * 1024 * 4
+            # two all_gathers + the one inside split() (2 int64 per rank) that makes the mismatch's sub-communicator
+            assert get("hetccl_collective_ops_total", op="all_gather", algo="ring") == 3
+            assert get("hetccl_collective_bytes_total", op="all_gather", algo="ring") == 2 * 2 * 1024 * 4 + 2 * 16
             assert get("hetccl_collective_seconds_count", op="all_reduce") == 3
             assert get("hetccl_errors_total", op="all_reduce", error="CollectiveMismatchError") == 1
             for d in ("send", "recv"):
                 lab = {"transport": transports, "peer": str(other), "direction": d}
                 # ring all_gather on 2 ranks: each rank's 4 KiB block goes to the other once per call
-                assert get("hetccl_transport_bytes_total", op="all_gather", **lab) == 2 * 1024 * 4
+                assert get("hetccl_transport_bytes_total", op="all_gather", **lab) == 2 * 1024 * 4 + 16
                 # ring all_reduce: half the buffer each phase (+ what the mismatched one sent before failing)
                 ar = get("hetccl_transport_bytes_total", op="all_reduce", **lab)
                 assert 3 * 4096 * 4 <= ar <= 3 * 4096 * 4 + 64, ar
-                assert get("hetccl_transport_ops_total", op="all_gather", **lab) == 2
+                assert get("hetccl_transport_ops_total", op="all_gather", **lab) == 3
             if who == r:  # our own exporter, read after our barrier
                 assert get("hetccl_collective_ops_total", op="barrier", algo="latency") == 1
 

@@ -95,3 +95,28 @@ def test_mismatched_secret_between_ranks_fails_clearly() -> None:
     outs = [p.communicate(timeout=40) for p in procs]
     assert "AuthenticationError" in outs[1][0], outs[1]
     assert "joined" not in outs[0][0] + outs[1][0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+@pytest.mark.parametrize("n,victim", [(3, 2), (3, 0), (4, 1)])
+def test_shrink_after_a_loss(n: int, victim: int, transport: str) -> None:
+    """Survivors shrink to a working communicator, even when rank 0 (the rendezvous store's host) died."""
+    procs = spawn_ranks(n, "workers:shrink_after_loss", env={"HETCCL_TRANSPORTS": TRANSPORTS[transport]},
+                        victim=victim)
+    results = finish(procs, 90)
+    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
+    for rank, (rc, out, _err) in enumerate(results):
+        if rank == victim:
+            assert rc == 17, report
+        else:
+            assert rc == 0 and "shrink ok" in out, report
+
+
+@pytest.mark.timeout(60)
+def test_abort_ends_collectives_in_flight() -> None:
+    procs = spawn_ranks(2, "workers:abort_in_flight", env={"HETCCL_TIMEOUT": "30"})
+    results = finish(procs, 40)
+    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
+    assert all(rc == 0 for rc, _, _ in results), report
+    assert "abort ok" in results[0][1], report

@@ -380,3 +380,63 @@ async def p2p_beside_collective(comm: hetccl.Communicator) -> None:
     else:
         await comm.broadcast(b, root=0)
     check(b, np.full(4, 5.0, np.float32), "broadcast beside p2p")
+
+
+async def shrink_after_loss(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim dies; the survivors see PeerLostError, shrink, and the new communicator works (ranks
+    renumbered in the old order) while the old one refuses further use."""
+    buf = np.ones(1 << 20, np.float32)
+    try:
+        await comm.all_reduce(buf)  # the victim may leave before its last frames were read: a loss here too
+        if comm.rank == victim:
+            os._exit(17)
+        for _ in range(100):
+            await comm.all_reduce(buf)
+        raise AssertionError("no PeerLostError")
+    except hetccl.PeerLostError:
+        pass
+    new = await comm.shrink()
+    assert new.size == comm.size - 1, (new.size, comm.size)
+    assert new.rank == comm.rank - (1 if comm.rank > victim else 0), (new.rank, comm.rank)
+    x = np.full(1000, float(new.rank + 1), np.float32)
+    await new.all_reduce(x)
+    check(x, np.full(1000, new.size * (new.size + 1) / 2, np.float32), "all_reduce after shrink")
+    big = np.full(3 << 20, float(new.rank), np.float32)
+    await new.broadcast(big, root=new.size - 1)
+    check(big, np.full(3 << 20, float(new.size - 1), np.float32), "broadcast after shrink")
+    out = np.zeros(4 * new.size, np.int64)
+    await new.all_gather(out, np.full(4, comm.rank, np.int64))
+    survivors = [r for r in range(comm.size) if r != victim]
+    check(out, np.repeat(np.array(survivors, np.int64), 4), "all_gather after shrink")
+    try:
+        await comm.barrier()
+        raise AssertionError("the shrunk communicator still works")
+    except hetccl.CommAbortedError:
+        pass
+    os.write(1, f"shrink ok: rank {comm.rank} -> {new.rank}/{new.size}\n".encode())
+    os._exit(0)  # rank 0's store may be gone: no closing barrier
+
+
+async def abort_in_flight(comm: hetccl.Communicator) -> None:
+    """Rank 1 never joins; rank 0 aborts its pending all_reduce, which ends at once with CommAbortedError, and
+    later calls raise it too."""
+    if comm.rank == 1:
+        await asyncio.sleep(4)
+        os._exit(0)
+    task = asyncio.ensure_future(comm.all_reduce(np.ones(1 << 16, np.float32)))
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    comm.abort()
+    try:
+        await task
+        raise AssertionError("aborted all_reduce completed")
+    except hetccl.CommAbortedError:
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+    try:
+        await comm.barrier()
+        raise AssertionError("barrier after abort completed")
+    except hetccl.CommAbortedError:
+        pass
+    os.write(1, f"abort ok after {took * 1000:.1f} ms\n".encode())
+    os._exit(0)

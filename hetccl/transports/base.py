@@ -176,6 +176,7 @@ class Matcher:
         self.on_notice: Callable[[int, Fingerprint, bytes], None] | None = None
         # set by the fabric: called with (peer, fingerprint) when a frame is kept as early data
         self.on_stash: Callable[[int, Fingerprint], None] | None = None
+        self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A buffer for an early message (returned to the pool once delivered)."""
@@ -224,10 +225,16 @@ class Matcher:
         CollectiveMismatchError), its collective was withdrawn, or the peer is already failed."""
         if tag == NOTICE_TAG:
             return self._notice(fp, nbytes)
+        if fp.comm in self.dead_comms:
+            return DROP
         key = (fp.comm, fp.seq, tag)
         req = self.posted.pop(key, None)
         if req is None:
-            return DROP if (fp.comm, fp.seq) in self.withdrawn or self.error is not None else None
+            if (fp.comm, fp.seq) in self.withdrawn:
+                return DROP
+            # a failed peer's frames are kept while there is room: after a loss, survivors may heal their
+            # connections (shrink) and the frames of the new communicator can arrive before this rank heals
+            return DROP if self.error is not None and not self.has_room(nbytes) else None
         if req.fp != fp:
             req.fut.set_exception(mismatch_error(self.me, self.peer, req.fp, fp))
             self.cancel(fp.comm, fp.seq, req.fut.exception())
