@@ -20,6 +20,18 @@ async def transport_is_verbs(comm: hetccl.Communicator) -> None:
     assert set(kinds.values()) == {"verbs"}, kinds
     t = next(t for t in fab.transports if t.name == "verbs")
     print(f"rank {comm.rank}: verbs on {t.dev.name} gid[{t.dev.gid_index}]={t.dev.gid}", flush=True)
+    # memory registration: host memory through the cache (same owner -> same registration) ...
+    arr = np.ones(1 << 16, np.float32)
+    reg = t.register_memory(arr)
+    assert reg is not None and reg.mr.lkey and t.register_memory(arr[100:200]) is reg
+    # ... and device memory through dma-buf, which the guest cannot do: None (staging), said once in the log
+    assert t.register_memory(_FakeCudaArray()) is None and t._gpu_warned
+
+
+class _FakeCudaArray:
+    def __init__(self) -> None:
+        self.__cuda_array_interface__ = {"shape": (1024,), "typestr": "<f4", "data": (1 << 40, False),
+                                         "version": 3}
 
 
 async def big(comm: hetccl.Communicator, count: int = 1 << 20) -> None:
