@@ -138,6 +138,25 @@ def pyverbs() -> SimpleNamespace:
     return _PV
 
 
+NO_DEVICE = ("no RDMA device (/sys/class/infiniband is empty or missing); load an RDMA driver, e.g. "
+             "`modprobe rdma_rxe` and `rdma link add rxe0 type rxe netdev eth0` for soft-RoCE")
+
+
+def device_names() -> list[str]:
+    """Names of the RDMA devices; [] when there are none (libibverbs then fails to list rather than say so)."""
+    pv = pyverbs()
+    try:
+        return [d.name.decode() for d in pv.device.get_device_list()]
+    except Exception as exc:  # noqa: BLE001 - pyverbs raises when the kernel has no verbs support at all
+        try:
+            present = os.listdir("/sys/class/infiniband")
+        except OSError:
+            present = []
+        if not present:
+            return []
+        raise TransportError(f"verbs: cannot list RDMA devices ({', '.join(present)}): {exc}") from None
+
+
 def _port_state_name(state: int) -> str:
     return {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}.get(state, str(state))
 
@@ -169,10 +188,9 @@ class Device:
 
     def __init__(self, name: str | None, port: int, gid_index: int | None):
         pv = pyverbs()
-        names = [d.name.decode() for d in pv.device.get_device_list()]
+        names = device_names()
         if not names:
-            raise TransportError("verbs: no RDMA device found (is a driver loaded? e.g. modprobe rdma_rxe and "
-                                 "`rdma link add` for soft-RoCE)")
+            raise TransportError(f"verbs: {NO_DEVICE}")
         if name is None:
             name = next((n for n in names if self._active(n, port)), None)
             if name is None:
@@ -853,19 +871,18 @@ class VerbsTransport(Transport):
     @classmethod
     def _why_not(cls) -> str | None:
         try:
-            pv = pyverbs()
+            pyverbs()
         except ImportError as exc:
             return (f"pyverbs is not importable ({exc}); install rdma-core's Python binding for this Python "
                     "(Debian/Ubuntu: apt-get install python3-pyverbs)")
         except Exception as exc:  # noqa: BLE001 - a broken binding is a reason, not a crash
             return f"pyverbs failed to load: {exc!r}"
         try:
-            names = [d.name.decode() for d in pv.device.get_device_list()]
-        except Exception as exc:  # noqa: BLE001
-            return f"cannot list RDMA devices: {exc}"
+            names = device_names()
+        except TransportError as exc:
+            return str(exc).removeprefix("verbs: ")
         if not names:
-            return ("no RDMA device (/sys/class/infiniband is empty); load an RDMA driver, e.g. rdma_rxe for "
-                    "soft-RoCE")
+            return NO_DEVICE
         try:
             wanted = parse_ib_devices(os.environ.get("HETCCL_IB_DEVICE", ""))
         except ConfigError as exc:
