@@ -825,6 +825,10 @@ class VerbsEndpoint(Endpoint):
         if self.error is None:
             self.error = exc
         self.matcher.fail_all(exc)
+        cur = self.cur  # a receive half delivered is no longer in matcher.posted: fail it too
+        if cur is not None and cur[4] == "direct" and not cur[5].fut.done():
+            cur[5].fut.set_exception(exc)
+            cur[5].fut.exception()
         for p in list(self.pending.values()):
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(exc)
@@ -900,7 +904,7 @@ class VerbsTransport(Transport):
 
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
-        self.pv = pyverbs()
+        self.pv: Any = None
         env = os.environ
         self.slots = env_int("HETCCL_IB_SLOTS", DEFAULT_SLOTS, 2, 4096)
         self.slot_bytes = parse_size(env.get("HETCCL_IB_SLOT_BYTES") or str(DEFAULT_SLOT_BYTES))
@@ -925,9 +929,19 @@ class VerbsTransport(Transport):
 
     async def listen(self) -> dict[str, Any]:
         s = self.ctx.settings
+        try:
+            self.pv = pyverbs()
+        except ImportError as exc:
+            raise TransportError(f"verbs: pyverbs is not importable: {exc}") from None
         devices = s.ib_devices
         name, port = devices[_local_rank(self.ctx) % len(devices)] if devices else (None, 1)
-        self.dev = Device(name, port, s.ib_gid_index)
+        try:
+            self.dev = Device(name, port, s.ib_gid_index)
+        except HetcclError:
+            raise
+        except Exception as exc:  # pyverbs errors opening the device: say which and why
+            raise TransportError(f"verbs: opening RDMA device {name or '(first active)'} port {port} failed: "
+                                 f"{exc}") from None
         self.regcache = RegCache(self.dev.pd)
         host = self.ctx.bind_host
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

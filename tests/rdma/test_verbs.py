@@ -74,3 +74,22 @@ def test_dead_peer_raises_peer_lost(n: int, victim: int) -> None:
             continue
         assert rc == 0, report
         assert f"PeerLostError rank={victim}" in out or "PeerLostError rank=-1" in out, report
+
+
+@pytest.mark.timeout(300)
+def test_strangers_are_refused() -> None:
+    proc = run_ranks(2, "verbs_workers:strangers", env=verbs_env(), timeout=280)
+    assert "refused 3" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bad_gid_index_fails_clearly_when_forced_and_falls_back_otherwise() -> None:
+    """GID index 30 is empty on rxe: forced verbs fails every rank with a TransportError naming the GID;
+    without HETCCL_TRANSPORTS the ranks skip verbs (a warning) and run over the other transports."""
+    proc = run_ranks(2, "workers:p2p", env=verbs_env(HETCCL_IB_GID_INDEX="30"), timeout=280, expect_rc=None)
+    assert proc.returncode != 0
+    assert "TransportError" in proc.stderr and "HETCCL_IB_GID_INDEX=30" in proc.stderr, proc.stderr[-3000:]
+    env = verbs_env(HETCCL_IB_GID_INDEX="30")
+    del env["HETCCL_TRANSPORTS"]
+    proc = run_ranks(2, "workers:p2p", env=env, timeout=280)
+    assert "skips transport verbs" in proc.stderr, proc.stderr[-3000:]

@@ -105,3 +105,40 @@ async def bandwidth(comm: hetccl.Communicator, sizes: list[int], iters: int = 5)
         results.append({"bytes": size, "MBps": round(size * iters / dt / 1e6, 2)})
     if comm.rank == 0:
         print("BW " + json.dumps(results), flush=True)
+
+
+async def strangers(comm: hetccl.Communicator) -> None:
+    """The connection data of a QP is only handed over after the job-secret handshake: connections to rank
+    0's verbs listener with a wrong or empty secret, or claiming a rank that is already connected, are
+    refused, and the job goes on over the accepted QPs."""
+    import socket
+
+    from hetccl.auth import client_handshake
+    from hetccl.errors import AuthenticationError, PeerLostError
+    from hetccl.netio import read_control
+
+    fab = comm._fabric
+    t = next(t for t in fab.transports if t.name == "verbs")
+    if comm.rank == 1:
+        loop = asyncio.get_running_loop()
+        rec = fab.records[0]["transports"]["verbs"]
+        for secret in (b"wrong-secret", b"", fab.settings.secret):
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, (rec["host"], rec["port"]))
+            try:
+                await client_handshake(loop, s, secret, "verbs", {"rank": 1, "job": fab.job}, 10.0)
+                # right secret, but rank 1 is connected already: the listener must drop us, never send QP data
+                got = await asyncio.wait_for(read_control(loop, s, 4096, 0), 10.0)
+                raise AssertionError(f"a second connection claiming rank 1 got {got!r}")
+            except (AuthenticationError, PeerLostError):
+                pass
+            finally:
+                s.close()
+    await comm.barrier()
+    buf = np.ones(1000, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(1000, comm.size, np.float32), "all_reduce after strangers")
+    if comm.rank == 0:
+        assert t.refused == 3, t.refused
+        print("refused", t.refused, flush=True)
