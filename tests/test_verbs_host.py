@@ -123,3 +123,32 @@ def test_gpudirect_registration_fails_clearly_without_driver_support() -> None:
     transport then logs once and stages device data through host memory."""
     with pytest.raises(TransportError, match="GPUDirect RDMA"):
         register_device_buffer(None, _FakeCudaArray())
+
+
+def test_reason_when_pyverbs_is_not_importable() -> None:
+    code = ("import sys; sys.modules['pyverbs'] = None\n"
+            "import hetccl.transports.verbs as v; v.SYSTEM_SITE_DIRS = ()\n"
+            "print(v.VerbsTransport.unavailable_reason())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pyverbs is not importable" in out.stdout and "apt-get install python3-pyverbs" in out.stdout, out.stdout
+
+
+def _system_pyverbs_matches() -> bool:
+    import importlib.machinery
+
+    pkg = "/usr/lib/python3/dist-packages/pyverbs"
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return os.path.isdir(pkg) and any(f.endswith(suffix) for f in os.listdir(pkg))
+
+
+@pytest.mark.skipif(not _system_pyverbs_matches(), reason="no system pyverbs built for this Python version")
+def test_system_pyverbs_is_loaded_into_a_virtualenv() -> None:
+    """Debian's python3-pyverbs lives in the system dist-packages, which a venv does not see: hetccl loads that
+    one package from there (and nothing else from dist-packages)."""
+    code = ("import sys, hetccl.transports.verbs as v; pv = v.pyverbs(); print(pv.device.__file__); "
+            "print('/usr/lib/python3/dist-packages' in sys.path)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0].startswith("/usr/lib/python3/dist-packages/pyverbs/") or "site-packages" in lines[0], lines
