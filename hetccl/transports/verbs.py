@@ -647,6 +647,7 @@ class VerbsEndpoint(Endpoint):
         fut = self.matcher.post(fp, tag, dst, reduce)
         if self.blocked and self.cur is None:
             self._pump()  # the message waiting for early-buffer room may be this one
+            self._maybe_credit()  # slots it freed: the sender may be waiting for exactly these credits
         return fut
 
     def on_wc(self, wc: Any) -> None:
@@ -777,19 +778,26 @@ class VerbsEndpoint(Endpoint):
                                      self.peer))
 
     async def _wait_room(self, fp: Fingerprint, nbytes: int) -> None:
+        """Until the early buffer has room for the held-up message, or a post_recv took it (then `blocked`
+        is already False); a message nobody makes room for within HETCCL_TIMEOUT fails the peer."""
         m = self.matcher
+        deadline = self.loop.time() + self.timeout
         try:
-            await m.wait_room(nbytes, self.timeout)
-        except TimeoutError:
-            self._lost(CollectiveTimeout(f"rank {m.me}: {nbytes} bytes from rank {self.peer} for {fp.describe()} "
-                                         f"waited {self.timeout:.0f} s for a matching receive"))
-            return
+            while self.blocked and not m.has_room(nbytes):
+                remaining = deadline - self.loop.time()
+                if remaining <= 0:
+                    self._lost(CollectiveTimeout(
+                        f"rank {m.me}: {nbytes} bytes from rank {self.peer} for {fp.describe()} waited "
+                        f"{self.timeout:.0f} s for a matching receive"))
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await m.wait_room(nbytes, min(remaining, 0.5))
         except asyncio.CancelledError:
             return
         if self.blocked:
             self.blocked = False
             self._pump()
-            self._maybe_credit()
+        self._maybe_credit()
 
     # ---------------------------------------------------------------------------------------- failure
 

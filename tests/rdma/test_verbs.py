@@ -93,3 +93,9 @@ def test_bad_gid_index_fails_clearly_when_forced_and_falls_back_otherwise() -> N
     del env["HETCCL_TRANSPORTS"]
     proc = run_ranks(2, "workers:p2p", env=env, timeout=280)
     assert "skips transport verbs" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_full_early_buffer_holds_the_sender_back() -> None:
+    proc = run_ranks(2, "verbs_workers:early_buffer_full", env=verbs_env(), timeout=280)
+    assert "early buffer ok" in proc.stdout, proc.stdout

@@ -142,3 +142,24 @@ async def strangers(comm: hetccl.Communicator) -> None:
     if comm.rank == 0:
         assert t.refused == 3, t.refused
         print("refused", t.refused, flush=True)
+
+
+async def early_buffer_full(comm: hetccl.Communicator, count: int = 1 << 18) -> None:
+    """Rank 0 sends three 2 MiB messages before rank 1 posts any receive, with rank 1's early buffer cut to
+    1 MiB: the first is kept as early data, the second finds no room and holds its receive slots (rank 0 runs
+    out of credits and waits), and everything flows once rank 1 posts its receives."""
+    for ep in comm._fabric.endpoints.values():
+        ep.matcher.cap = 1 << 20
+    msgs = [np.arange(count, dtype=np.int64) * (i + 1) for i in range(3)]
+    if comm.rank == 0:
+        await asyncio.gather(*(comm.send(m, 1) for m in msgs))
+    elif comm.rank == 1:
+        await asyncio.sleep(2.0)
+        ep = comm._fabric.endpoints[0]
+        assert ep.blocked and ep.matcher.early, "the second message should be held up"
+        outs = [np.zeros(count, np.int64) for _ in range(3)]
+        await asyncio.gather(*(comm.recv(o, 0) for o in outs))
+        for i, (o, m) in enumerate(zip(outs, msgs, strict=True)):
+            check(o, m, f"message {i} after the early buffer filled up")
+        print("early buffer ok", flush=True)
+    await comm.barrier()
