@@ -27,6 +27,7 @@ def run(name: str, backend: str, extra_env: dict[str, str], islands: str, args: 
     env.setdefault("HETCCL_TIMEOUT", "60")
     cmd = [sys.executable, "-m", "hetccl", "run", "-n", str(args.nprocs), "--", sys.executable,
            str(HERE / "gpu_rank.py"), "--backend", backend, "--json", str(out), "--max-bytes", str(args.max_bytes),
+           "--min-bytes", str(args.min_bytes),
            "--iters", str(args.iters)]
     if islands:
         cmd += ["--islands", islands]
@@ -69,8 +70,9 @@ def table(title: str, cols: dict[str, list[dict]], ratio_of: tuple[str, str] | N
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout", type=float, default=240)
     p.add_argument("--out", default=str(HERE / "results" / "gpu.md"))
     p.add_argument("--skip-gloo", action="store_true")

@@ -1,8 +1,9 @@
 """One rank of the GPU benchmark (launched by gpu_compare.py through `hetccl run`).
 
-Backends: hetccl (islands from --islands, one label per rank), torch-nccl, torch-gloo (CUDA tensors). Method:
-a host barrier, then the all_reduce and its completion on the device; time = median over iterations of the
-slowest rank; busbw = algbw * 2(n-1)/n; the first result of every size is checked."""
+Backends: hetccl (islands from --islands, one label per rank), torch-nccl, torch-gloo (CUDA tensors). Method
+(nccl-tests'): a barrier and a device synchronise, then k all_reduces back to back, then a device synchronise;
+time of one = elapsed / k on the slowest rank; the median over --reps repetitions is reported; busbw = algbw *
+2(n-1)/n; the first result of every size is checked."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def main() -> None:
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--factor", type=int, default=4)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", required=True)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -40,7 +42,7 @@ def main() -> None:
         async def run() -> None:
             comm = await hetccl.init()
             for size in sizes(a.min_bytes, a.max_bytes, a.factor):
-                rows.append(await measure_async(comm, size, a.iters, world, rank))
+                rows.append(await measure_async(comm, size, a.iters, a.reps, world, rank))
             await comm.close()
 
         hetccl.run(run())
@@ -49,7 +51,7 @@ def main() -> None:
 
         dist.init_process_group("nccl" if a.backend == "torch-nccl" else "gloo")
         for size in sizes(a.min_bytes, a.max_bytes, a.factor):
-            rows.append(measure_torch(dist, size, a.iters, world, rank))
+            rows.append(measure_torch(dist, size, a.iters, a.reps, world, rank))
         dist.destroy_process_group()
     if rank == 0:
         with open(a.json, "w") as f:
@@ -60,7 +62,7 @@ def _iters(size: int, iters: int) -> int:
     return max(5, min(iters, int(2e9 // max(size, 1))))
 
 
-async def measure_async(comm, size: int, iters: int, n: int, rank: int) -> dict:
+async def measure_async(comm, size: int, iters: int, reps: int, n: int, rank: int) -> dict:
     count = size // 4
     x = torch.full((count,), float(rank + 1), device="cuda")
     await comm.all_reduce(x)
@@ -68,17 +70,21 @@ async def measure_async(comm, size: int, iters: int, n: int, rank: int) -> dict:
     for _ in range(3):
         await comm.all_reduce(x)
     k = _iters(size, iters)
-    times = np.zeros(k)
-    for i in range(k):
+    times = np.zeros(reps)
+    for i in range(reps):
         await comm.barrier()
+        torch.cuda.synchronize()
         t = time.perf_counter()
-        await comm.all_reduce(x)  # returns once the result is complete on the device
-        times[i] = time.perf_counter() - t
+        for _ in range(k):
+            await comm.all_reduce(x)  # enqueued on the current stream (cross-island: complete on return)
+        torch.cuda.synchronize()
+        times[i] = (time.perf_counter() - t) / k
+    await comm.synchronize()
     await comm._all_reduce_flat(times, op="max")
     return row(size, n, times, wrong)
 
 
-def measure_torch(dist, size: int, iters: int, n: int, rank: int) -> dict:
+def measure_torch(dist, size: int, iters: int, reps: int, n: int, rank: int) -> dict:
     count = size // 4
     x = torch.full((count,), float(rank + 1), device="cuda")
     dist.all_reduce(x)
@@ -88,14 +94,15 @@ def measure_torch(dist, size: int, iters: int, n: int, rank: int) -> dict:
         dist.all_reduce(x)
     torch.cuda.synchronize()
     k = _iters(size, iters)
-    times = torch.zeros(k, dtype=torch.float64)
-    for i in range(k):
+    times = torch.zeros(reps, dtype=torch.float64)
+    for i in range(reps):
         dist.barrier()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        dist.all_reduce(x)
+        for _ in range(k):
+            dist.all_reduce(x)
         torch.cuda.synchronize()
-        times[i] = time.perf_counter() - t
+        times[i] = (time.perf_counter() - t) / k
     times = times.cuda() if dist.get_backend() == "nccl" else times
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return row(size, n, times.cpu().numpy(), wrong)

@@ -5,6 +5,12 @@ srun, mpirun) it uses the launcher's ranks. For each op and size it checks one r
 `-n` iterations, each after a barrier; the time of an iteration is the slowest rank's and the table shows the
 median. Columns and bus-bandwidth factors follow nccl-tests (PERFORMANCE.md): size is the larger buffer
 (all_gather: output; reduce_scatter: input).
+
+Tooling around the numbers:
+  --plot FILE.png        busbw against size, one panel per op (with --anchor NAME=FILE.json curves too;
+                         with --results FILE.json it plots saved results without running anything)
+  --compare A.json B.json  per-size ratios of two result files (B/A busbw: >1 means B is faster); no job
+A progress bar runs on rank 0's terminal during long sweeps (off when stderr is not a TTY, or --no-progress).
 """
 
 from __future__ import annotations
@@ -49,7 +55,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     p.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (fewer iterations)")
     p.add_argument("--no-inplace", action="store_true", help="skip the in-place variant")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw busbw against size for every op run (needs matplotlib: hetccl[plot])")
+    p.add_argument("--anchor", action="append", default=[], metavar="NAME=FILE.json",
+                   help="with --plot: also draw these results (same JSON as --json); repeatable")
+    p.add_argument("--results", default=None, metavar="FILE.json",
+                   help="with --plot: plot these saved results instead of running the benchmark")
+    p.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
+                   help="print per-size ratios of two result files (B/A) and exit; no job is started")
     args = p.parse_args(argv)
+    for spec in args.anchor:
+        if "=" not in spec or not spec.split("=", 1)[0] or not spec.split("=", 1)[1]:
+            p.error(f"--anchor {spec!r}: write NAME=FILE.json")
+    if (args.anchor or args.results) and not args.plot:
+        p.error("--anchor and --results go with --plot FILE.png")
     for op in args.ops.split(","):
         if op not in OPS:
             p.error(f"unknown op {op!r}; choose from {', '.join(OPS)}")
@@ -63,14 +83,167 @@ def _under_launcher() -> bool:
 
 
 def main(argv: list[str]) -> int:
+    from .errors import HetcclError
+
     args = parse_args(argv)
+    try:
+        if args.compare:
+            print(compare(load_results(args.compare[0]), load_results(args.compare[1]),
+                          args.compare[0], args.compare[1]))
+            return 0
+        if args.results:
+            plot(args.plot, {_label(load_results(args.results)): load_results(args.results)["results"],
+                             **load_anchors(args.anchor)})
+            return 0
+        if args.plot:
+            _require_matplotlib()
+            load_anchors(args.anchor)  # fail before running anything
+    except HetcclError as exc:
+        print(f"hetccl bench: {exc}", file=sys.stderr)
+        return 2
     if not _under_launcher():
         from .launcher import launch
 
-        return launch(args.nprocs, [sys.executable, "-m", "hetccl", "bench", *argv])
+        env = None
+        if not args.no_progress and sys.stderr.isatty():
+            # the launcher forwards ranks' stderr line by line: rank 0 draws on our terminal directly
+            env = {"HETCCL_BENCH_TTY": os.ttyname(sys.stderr.fileno())}
+        return launch(args.nprocs, [sys.executable, "-m", "hetccl", "bench", *argv], env=env)
     import hetccl
 
     return hetccl.run(_run(args))
+
+
+# ---- results files: plots and comparisons (no job needed) ---------------------------------------------------
+def load_results(path: str) -> dict[str, Any]:
+    """A `hetccl bench --json` file: {"tool", "nranks", "results": [rows]}."""
+    from .errors import ConfigError
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read results {path!r}: {exc}") from None
+    rows = doc.get("results") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "op" in r and "size" in r for r in rows):
+        raise ConfigError(f"{path!r} is not a `hetccl bench --json` file (needs results: [{{op, size, ...}}])")
+    return doc
+
+
+def load_anchors(specs: list[str]) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for spec in specs:
+        name, path = spec.split("=", 1)
+        out[name] = load_results(path)["results"]
+    return out
+
+
+def _label(doc: dict[str, Any]) -> str:
+    rows = doc.get("results") or [{}]
+    kinds = rows[0].get("transports")
+    return f"{doc.get('tool', 'hetccl')} ({doc.get('nranks', '?')} ranks" + (f", {'+'.join(kinds)})" if kinds else ")")
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> str:
+    """Per op and size present in both: busbw of A and B and the ratio B/A (out-of-place; in-place too when
+    both have it), then the geometric mean of the ratios per op."""
+    ia = {(r["op"], r["size"]): r for r in a["results"]}
+    ib = {(r["op"], r["size"]): r for r in b["results"]}
+    keys = sorted(set(ia) & set(ib), key=lambda k: (list(OPS).index(k[0]) if k[0] in OPS else 99, k[1]))
+    lines = [f"# A = {name_a}", f"# B = {name_b}", "# ratio = busbw(B) / busbw(A): > 1 means B is faster",
+             f"# {'op':<15} {'size (B)':>12} | {'A busbw':>9} {'B busbw':>9} {'ratio':>7} |"
+             f" {'A ip':>9} {'B ip':>9} {'ratio':>7}"]
+    per_op: dict[str, list[float]] = {}
+    for k in keys:
+        ra, rb = ia[k], ib[k]
+        cols = []
+        for v in ("oop", "ip"):
+            x, y = ra.get(f"{v}_busbw"), rb.get(f"{v}_busbw")
+            if x is None or y is None:
+                cols.append(f" {'n/a':>9} {'':>9} {'':>7}")
+                continue
+            ratio = y / x if x > 0 else float("inf")
+            if v == "oop" and 0 < ratio < float("inf"):
+                per_op.setdefault(k[0], []).append(ratio)
+            cols.append(f" {x:9.3f} {y:9.3f} {ratio:7.3f}")
+        lines.append(f"  {k[0]:<15} {k[1]:>12} |{cols[0]} |{cols[1]}")
+    if not keys:
+        lines.append("# no (op, size) in common")
+    for op, ratios in per_op.items():
+        gm = float(np.exp(np.mean(np.log(ratios))))
+        lines.append(f"# {op}: geometric mean ratio {gm:.3f} over {len(ratios)} size(s)")
+    return "\n".join(lines)
+
+
+def _require_matplotlib() -> Any:
+    from .errors import ConfigError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'hetccl[plot]'") from None
+    return plt
+
+
+def plot(path: str, series: dict[str, list[dict[str, Any]]]) -> None:
+    """busbw (GB/s) against size: one panel per op, one line per series (in-place dashed)."""
+    plt = _require_matplotlib()
+    ops = [op for op in OPS if any(r["op"] == op for rows in series.values() for r in rows)]
+    if not ops:
+        from .errors import ConfigError
+
+        raise ConfigError("nothing to plot: the results have no rows")
+    cols = min(3, len(ops))
+    nrow = -(-len(ops) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(5.2 * cols, 3.8 * nrow), squeeze=False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        for i, (label, rows) in enumerate(series.items()):
+            pts = sorted((r["size"], r) for r in rows if r["op"] == op)
+            for v, style in (("oop", "-"), ("ip", "--")):
+                xy = [(s, r[f"{v}_busbw"]) for s, r in pts if f"{v}_busbw" in r]
+                if xy:
+                    ax.plot([x for x, _ in xy], [y for _, y in xy], style, marker="o", markersize=3,
+                            color=f"C{i}", label=label + (" in-place" if v == "ip" else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _progress(args: argparse.Namespace, total: int) -> Any:
+    """A rich progress bar on rank 0's terminal (the launcher's, via HETCCL_BENCH_TTY), else None."""
+    if args.no_progress:
+        return None
+    stream: Any = None
+    tty = os.environ.get("HETCCL_BENCH_TTY")
+    if tty:
+        try:
+            stream = open(tty, "w")  # noqa: SIM115 - closed with the bar
+        except OSError:
+            stream = None
+    elif sys.stderr.isatty():
+        stream = sys.stderr
+    if stream is None:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(file=stream), transient=True, redirect_stdout=False, redirect_stderr=False)
+    bar.start()
+    bar.hetccl_task = bar.add_task("hetccl bench", total=total)  # type: ignore[attr-defined]
+    bar.hetccl_stream = stream  # type: ignore[attr-defined]
+    return bar
 
 
 def _pattern(count: int, rank: int, np_dtype: Any) -> np.ndarray:
@@ -216,6 +389,12 @@ async def _run(args: argparse.Namespace) -> int:
     if r == 0:
         print(f"# hetccl bench: {n} ranks, {comm._fabric.topology.num_hosts} host(s), transports {kinds}, "
               f"dtype {dtype_name(dt)}, op {args.op}, iters {args.iters} (median of the slowest rank)")
+    nsizes, size = 0, args.minbytes
+    while size <= args.maxbytes:
+        nsizes, size = nsizes + 1, size * args.stepfactor
+    variants = {op: 1 if args.no_inplace or op in ("broadcast", "reduce", "all_to_all") else 2
+                for op in args.ops.split(",")}
+    bar = _progress(args, nsizes * sum(variants.values())) if r == 0 else None
     for op in args.ops.split(","):
         if r == 0:
             redop = args.op if op in ("all_reduce", "reduce_scatter", "reduce") else "none"
@@ -241,6 +420,8 @@ async def _run(args: argparse.Namespace) -> int:
                             f"{key}_time_us": t * 1e6, f"{key}_algbw": algbw,
                             f"{key}_busbw": algbw * bus_factor(op, n), f"{key}_wrong": wrong})
                 total_wrong += wrong
+                if bar is not None:
+                    bar.update(bar.hetccl_task, advance=1, description=f"{op} {size} B")
             results.append(row)
             if r == 0:
                 redop = args.op if op in ("all_reduce", "reduce_scatter", "reduce") else "none"
@@ -255,10 +436,18 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"  {row['size']:>12} {row['count']:>12} {dtype_name(dt):>8} {redop:>6} {root:>5} |"
                       f"{cols('oop')} |{cols('ip')}", flush=True)
             size *= args.stepfactor
+    if bar is not None:
+        bar.stop()
+        if bar.hetccl_stream is not sys.stderr:
+            bar.hetccl_stream.close()
     if r == 0:
         print(f"\n# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
+        doc = {"tool": "hetccl", "nranks": n, "results": results}
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"tool": "hetccl", "nranks": n, "results": results}, f, indent=1)
+                json.dump(doc, f, indent=1)
+        if args.plot:
+            plot(args.plot, {_label(doc): results, **load_anchors(args.anchor)})
+            print(f"# plot: {args.plot}")
     await comm.close()
     return 0 if total_wrong == 0 else 1

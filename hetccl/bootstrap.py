@@ -19,11 +19,15 @@ import logging
 import os
 import secrets
 import socket
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from . import observe
 from .config import Identity, Settings
-from .errors import ConfigError, HetcclError, PeerLostError, TransportError
+from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError, TransportError
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
@@ -91,9 +95,14 @@ class Fabric:
         self.job = ""
         self.closed = False
         self.lost: dict[int, BaseException] = {}
+        # communicator id -> the mismatch that made it unusable (its ranks no longer agree on the sequence)
+        self.poisoned: dict[int, CollectiveMismatchError] = {}
+        self._notices: set[asyncio.Task] = set()
+        self.comms: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id -> Communicator
 
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
+        observe.setup(identity)
         fab = cls(identity, settings)
         try:
             await fab._bootstrap()
@@ -165,9 +174,10 @@ class Fabric:
         results = await asyncio.gather(*(t.connect(plan[t.name]) for t in self.transports))
         for eps in results:
             self.endpoints.update(eps)
-        log.info("hetccl: rank %d/%d host %s local %d/%d transports %s", rank, size, socket.gethostname(),
-                 self.topology.local_rank(rank), len(ctx.local_ranks),
-                 {p: self.peer_transport[p] for p in sorted(self.peer_transport)})
+        for ep in self.endpoints.values():
+            ep.matcher.on_notice = self._notice
+            ep.matcher.on_stash = self._stashed
+        await observe.on_init(self, bind)
 
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
@@ -177,6 +187,66 @@ class Fabric:
         err = exc if isinstance(exc, PeerLostError) else PeerLostError(str(exc), peer)
         for ep in self.endpoints.values():
             ep.fail(err)
+
+    # ---- collective mismatches ---------------------------------------------------------------------------
+    def poison(self, comm: int, exc: CollectiveMismatchError) -> None:
+        """Make communicator `comm` unusable: fail its pending receives, and every later collective on it."""
+        self.poisoned.setdefault(comm, exc)
+        for ep in self.endpoints.values():
+            ep.matcher.cancel_comm(comm, exc)
+
+    def report_mismatch(self, fp: Any, exc: CollectiveMismatchError, peers: list[int]) -> None:
+        """This rank found a mismatch in collective fp: tell the communicator's other ranks (job ranks
+        `peers`), without waiting, so that ranks that exchange no data with the odd one out raise too."""
+        import msgpack
+
+        from .transports.base import NOTICE_TAG
+
+        self.poison(fp.comm, exc)
+        payload = np.frombuffer(msgpack.packb({"rank": self.rank, "text": str(exc)[:3000]}), np.uint8)
+
+        async def tell(ep: Any) -> None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(min(5.0, self.settings.timeout)):
+                    await ep.send(fp, NOTICE_TAG, payload)
+
+        for p in peers:
+            ep = self.endpoints.get(p)
+            if ep is not None and p not in self.lost:
+                task = asyncio.ensure_future(tell(ep))
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
+
+    def _stashed(self, peer: int, got: Any) -> None:
+        """A frame was kept for later: if this rank already finished that collective, nothing will ever take
+        it — the two ranks ran different collectives at that point (e.g. both thought they were root)."""
+        comm = self.comms.get(got.comm)
+        if comm is None or got.comm in self.poisoned:
+            return
+        mine = comm._flight.finished(got.seq)
+        if mine is not None:
+            self.mismatch_found(comm, mine, got, peer)
+
+    def mismatch_found(self, comm: Any, mine: Any, got: Any, peer: int) -> CollectiveMismatchError:
+        from .transports.base import mismatch_error
+
+        exc = mismatch_error(comm.rank, comm._global_to_comm.get(peer, peer), mine, got)
+        self.report_mismatch(mine, exc, [g for g in comm._members if g != self.rank])
+        return exc
+
+    def _notice(self, peer: int, fp: Any, payload: bytes) -> None:
+        import msgpack
+
+        try:
+            msg = msgpack.unpackb(payload, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=4)
+            text, who = str(msg["text"]), int(msg["rank"])
+        except Exception:  # noqa: BLE001 (a malformed notice is ignored, like any malformed frame)
+            log.warning("hetccl: rank %d ignored a malformed mismatch notice from rank %d", self.rank, peer)
+            return
+        if fp.comm in self.poisoned:
+            return
+        self.poison(fp.comm, CollectiveMismatchError(
+            f"job rank {self.rank}: collective mismatch reported by job rank {who} in {fp.describe()}: {text}"))
 
     def transport_kind(self, peers: list[int]) -> str:
         """'shm' when every peer in the list is reached by shared memory, else 'tcp' (for the cost model)."""
@@ -199,6 +269,7 @@ class Fabric:
                     await self.store.set(f"{self.job}/closed/{self.rank}", 1)
                     if self.server is not None:
                         await self._wait_all_closed(wait)
+        observe.on_close(self)
         for t in self.transports:
             with contextlib.suppress(Exception):
                 await t.close()

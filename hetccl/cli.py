@@ -1,4 +1,4 @@
-"""Command line: `hetccl run`, `hetccl bench`, `hetccl info`."""
+"""Command line: `hetccl run`, `hetccl bench`, `hetccl info`, `hetccl topo`."""
 
 from __future__ import annotations
 
@@ -29,9 +29,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    if args.topo:
+        return _cmd_topo(args)
     from .info import print_info
 
     return print_info()
+
+
+def _cmd_topo(args: argparse.Namespace) -> int:
+    from .topo import main as topo_main
+
+    return topo_main(as_json=args.json)
 
 
 def _cmd_bench(argv: list[str]) -> int:
@@ -57,7 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     r.set_defaults(func=_cmd_run)
     i = sub.add_parser("info", help="version, native build, transports and why any is unavailable")
+    i.add_argument("--topo", action="store_true",
+                   help="under a launcher: join the job and print its topology (same as `hetccl topo`)")
+    i.add_argument("--json", action="store_true", help="with --topo: JSON instead of tables")
     i.set_defaults(func=_cmd_info)
+    t = sub.add_parser("topo", help="under a launcher (hetccl run -n 3 -- hetccl topo): islands, hosts, ranks, "
+                                    "transport and algorithm between each pair; printed by rank 0")
+    t.add_argument("--json", action="store_true", help="JSON instead of tables")
+    t.set_defaults(func=_cmd_topo)
     sub.add_parser("bench", help="nccl-tests style benchmark (hetccl bench --help)")
     args = p.parse_args(argv)
     return int(args.func(args))

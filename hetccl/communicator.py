@@ -3,6 +3,7 @@ it through the scheduler. One process fabric (connections) may serve several com
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import defaultdict
 from typing import Any
@@ -14,6 +15,7 @@ from .algorithms import direct, latency, ring
 from .bootstrap import Fabric
 from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
 from .errors import ConfigError, HetcclError
+from .flight import FlightRecorder
 from .gpu.buffers import is_device
 from .scheduler import CollCtx, Watchdog, run_collective
 from .wire import CollOp, Fingerprint
@@ -83,6 +85,8 @@ class Communicator:
         self._gpu_layout: Any = None  # island layout (gpu.dispatch.Layout)
         self._islands = len({fabric.records[g].get("island", "cpu") for g in members}) if fabric.records else 1
         self._algo_cache: dict[tuple[str, int], str] = {}
+        self._flight = FlightRecorder()
+        fabric.comms[comm_id] = self
 
     # ---- helpers -------------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -275,6 +279,18 @@ class Communicator:
         ctx = CollCtx(self, fp, DType.UINT8, None)
         await run_collective(self, fp, lambda: latency.barrier(ctx))
 
+    async def synchronize(self) -> None:
+        """Wait until every device-memory collective this rank enqueued has completed on the GPU.
+
+        Device collectives return once enqueued on the buffer's current stream (like torch.distributed's
+        NCCL backend): later work on that stream sees the result without any wait. This is for a host that
+        needs the result itself, or wants errors (a lost peer, a timeout) raised now. Host memory: no-op."""
+        self._check_open()
+        if self._gpu_layout is not None or self._children:
+            from .gpu import dispatch
+
+            await dispatch.synchronize(self)
+
     # ---- point to point ------------------------------------------------------------------------------
     def _peer(self, peer: int) -> int:
         if not isinstance(peer, int | np.integer) or not 0 <= peer < self.size or peer == self.rank:
@@ -342,6 +358,11 @@ class Communicator:
         """Close this communicator; closing the one from init() also closes the connections."""
         if self._closed:
             return
+        if self._gpu_layout is not None or self._children:
+            from .gpu import dispatch
+
+            with contextlib.suppress(HetcclError):  # device work still queued ends before the connections do
+                await dispatch.synchronize(self)
         self._closed = True
         if self._fabric_owner:
             for c in self._children:

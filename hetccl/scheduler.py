@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import native
+from . import observe as _obs
 from .dtypes import Buf, DType, ReduceOp
-from .errors import CollectiveTimeout, HetcclError
+from .errors import CollectiveMismatchError, CollectiveTimeout, HetcclError
+from .flight import DONE, FAILED
 from .wire import Fingerprint
 
 if TYPE_CHECKING:
@@ -78,15 +80,19 @@ class CollCtx:
         self.reducer = _reducer(dtype, op) if op is not None else None
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
+        if _obs.ON:
+            return _obs.send(self, peer, tag, data)
         return self.eps[peer].send(self.fp, tag, data)
 
     def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False, incoming_first: bool = False
              ) -> asyncio.Future:
         """Receive into dst; with reduce, dst = dst OP incoming (or incoming OP dst with incoming_first: the
         operand order matters only for bitwise agreement on ties, e.g. min(-0.0, +0.0))."""
-        if not reduce:
-            return self.eps[peer].post_recv(self.fp, tag, dst, None)
-        fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
+        fn = None
+        if reduce:
+            fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
+        if _obs.ON:
+            return _obs.recv(self, peer, tag, dst, fn)  # type: ignore[return-value]
         return self.eps[peer].post_recv(self.fp, tag, dst, fn)
 
     def finish_avg(self, buf: Buf | np.ndarray, divisor: int | None = None) -> None:
@@ -166,9 +172,20 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
                          ) -> Any:
     """Run one collective under the communicator's deadline; on failure, withdraw its receives."""
     timeout = comm._settings.timeout
+    poisoned = comm._fabric.poisoned.get(fp.comm)
+    if poisoned is not None:
+        raise CollectiveMismatchError(f"{poisoned} (this communicator is unusable after it; create a new one)")
     key, rec = comm._watchdog.enter(timeout)
+    if _obs.ON:
+        body = _obs.collective(comm, fp, body, rec)
+    flight = comm._flight.begin(fp)
+    state = FAILED
     try:
-        return await body()
+        result = await body()
+        if fp.comm == comm.comm_id:  # collectives; point-to-point messages have their own sequence space
+            _check_leftovers(comm, fp)
+        state = DONE
+        return result
     except asyncio.CancelledError:
         if not rec[2]:
             _withdraw(comm, fp, HetcclError("cancelled"))
@@ -185,11 +202,27 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
             + "; a peer is stuck, dead, or issued a different collective")
         _withdraw(comm, fp, exc)
         raise exc from None
+    except CollectiveMismatchError as exc:
+        _withdraw(comm, fp, exc)
+        if comm._fabric.poisoned.get(fp.comm) is not exc:  # found here, not reported by another rank
+            comm._fabric.report_mismatch(fp, exc, [g for g in comm._members if g != comm._fabric.rank])
+        raise
     except BaseException as exc:
         _withdraw(comm, fp, exc if isinstance(exc, Exception) else HetcclError("interrupted"))
         raise
     finally:
         comm._watchdog.exit(key)
+        comm._flight.end(flight, state)
+
+
+def _check_leftovers(comm: Communicator, fp: Fingerprint) -> None:
+    """Data kept for this collective that it never took: the sender ran a different collective here."""
+    for peer, ep in comm._endpoints.items():
+        early = ep.matcher.early
+        if early:
+            for (c, s, _tag), (got, _data) in early.items():
+                if c == fp.comm and s == fp.seq:
+                    raise comm._fabric.mismatch_found(comm, fp, got, comm._members[peer])
 
 
 def _withdraw(comm: Communicator, fp: Fingerprint, exc: BaseException) -> None:

@@ -94,7 +94,7 @@ class StoreServer:
 
     async def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
         cmd, key = req.get("cmd"), req.get("key")
-        if not isinstance(key, str) and cmd != "ping":
+        if not isinstance(key, str) and cmd not in ("ping", "time"):
             return {"err": "key must be a string"}
         if cmd == "set":
             self.data[key] = req.get("value")
@@ -131,6 +131,8 @@ class StoreServer:
             return {"ok": True}
         if cmd == "ping":
             return {"ok": True}
+        if cmd == "time":  # the store host's monotonic clock: trace clock offsets (observe/trace.py)
+            return {"value": time.perf_counter_ns()}
         return {"err": f"unknown store command {cmd!r}"}
 
     async def close(self) -> None:
@@ -216,6 +218,10 @@ class StoreClient:
 
     async def check(self, key: str) -> bool:
         return bool((await self._request({"cmd": "check", "key": key}))["value"])
+
+    async def time(self) -> int:
+        """The store host's monotonic clock, in ns (for NTP-style offset estimates)."""
+        return int((await self._request({"cmd": "time"}))["value"])
 
     async def delete(self, key: str) -> None:
         await self._request({"cmd": "delete", "key": key})

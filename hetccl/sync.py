@@ -43,7 +43,7 @@ class SyncCommunicator:
     """Same methods as Communicator, as blocking calls."""
 
     _METHODS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
-                "scatter", "send", "recv", "barrier")
+                "scatter", "send", "recv", "barrier", "synchronize")
 
     def __init__(self, comm: Any, runner: _LoopThread, owner: bool):
         self._comm, self._runner, self._owner = comm, runner, owner

@@ -107,3 +107,68 @@ async def gpu_matrix(comm: hetccl.Communicator, counts: list[int], dtypes: list[
     await comm.all_reduce(c)
     assert float(c[0]) == n * (n + 1) / 2, c[0]
     await comm.barrier()
+
+
+def _use_local_gpu(comm: hetccl.Communicator) -> None:
+    import torch
+
+    torch.cuda.set_device(int(os.environ.get("HETCCL_LOCAL_RANK", comm.rank)) % torch.cuda.device_count())
+
+
+async def gpu_die_midway(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim exits hard between device all_reduces: the survivor raises PeerLostError naming it within
+    10 s, from the collective or from synchronize() (device collectives return once enqueued)."""
+    import time
+
+    import torch
+
+    _use_local_gpu(comm)
+    x = torch.ones(16 << 20, device="cuda")
+    await comm.all_reduce(x)
+    await comm.synchronize()
+    if comm.rank == victim:
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        for _ in range(200):
+            await comm.all_reduce(x)
+        await comm.synchronize()
+    except hetccl.PeerLostError as exc:
+        took = time.monotonic() - t0
+        os.write(1, f"rank {comm.rank}: PeerLostError rank={exc.rank} after {took:.1f} s: {exc}\n".encode())
+        os._exit(0 if exc.rank in (victim, -1) and took < 10 else 3)
+    except hetccl.HetcclError as exc:
+        os.write(1, f"rank {comm.rank}: other error {exc!r}\n".encode())
+        os._exit(4)
+    os._exit(5)
+
+
+async def gpu_stuck_peer(comm: hetccl.Communicator) -> None:
+    """Rank 1 skips the second all_reduce: rank 0's call returns (enqueued), and the watchdog ends it at the
+    deadline: synchronize() raises CollectiveTimeout, later calls raise too, and the stream is released."""
+    import time
+
+    import torch
+
+    _use_local_gpu(comm)
+    x = torch.ones(1 << 20, device="cuda")
+    await comm.all_reduce(x)
+    await comm.synchronize()
+    if comm.rank == 1:
+        time.sleep(float(os.environ["HETCCL_TIMEOUT"]) + 6)
+        os._exit(0)
+    t0 = time.monotonic()
+    await comm.all_reduce(x)  # returns at once: enqueued
+    try:
+        await comm.synchronize()
+    except hetccl.CollectiveTimeout as exc:
+        took = time.monotonic() - t0
+        assert took < float(os.environ["HETCCL_TIMEOUT"]) + 3, took
+        torch.cuda.current_stream().synchronize()  # the aborted communicator released the stream
+        try:
+            await comm.all_reduce(x)
+        except hetccl.HetcclError:
+            os.write(1, f"rank 0: watchdog timeout after {took:.1f} s: {exc}\n".encode())
+            os._exit(0)
+        os._exit(6)
+    os._exit(5)

@@ -60,10 +60,18 @@ def test_sync_facade() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-@pytest.mark.parametrize("kind", ["dtype", "count", "op"])
+@pytest.mark.parametrize("kind", ["dtype", "count", "op", "collective", "root", "order"])
 def test_mismatched_all_reduce_raises_on_every_rank(kind: str, transport: str) -> None:
     proc = run_ranks(2, "workers:mismatch", env=dict(TRANSPORTS[transport], HETCCL_TIMEOUT="20"), kind=kind)
     assert proc.stdout.count("mismatch ok") == 2, proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["dtype", "count", "op", "collective", "root", "order"])
+def test_mismatch_among_three_ranks_reaches_every_rank(kind: str) -> None:
+    """Rank 1 alone disagrees: ranks 0 and 2, which agree with each other, raise too (never hang)."""
+    proc = run_ranks(3, "workers:mismatch", env={"HETCCL_TIMEOUT": "20"}, kind=kind)
+    assert proc.stdout.count("mismatch ok") == 3, proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -25,7 +25,7 @@ CACHE = Path(os.environ.get("RDMA_TESTBED_CACHE")
              or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rdma-testbed")
 GUEST_SITE = ROOT / ".guest-site"
 GUEST_PYTHON = "3.11"
-GUEST_DEPS = ["msgpack", "uvloop", "cffi", "numpy", "ml_dtypes", "pytest", "pytest-timeout"]
+GUEST_DEPS = ["msgpack", "uvloop", "cffi", "rich", "numpy", "ml_dtypes", "pytest", "pytest-timeout"]
 APT = "qemu-system-x86 qemu-utils mmdebstrap e2fsprogs debian-archive-keyring"
 
 pytestmark = [pytest.mark.slow]

@@ -675,3 +675,24 @@ def test_gpu_nccl_two_ranks_one_process(gpu, monkeypatch):
     finally:
         for c in comms:
             nccl.comm_destroy(c)
+
+
+def test_stream_memops_declarations_and_unavailability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream memory operations (GPU-signalled cross-island link) parse, and fail with a clear
+    Unavailable (a TransportError the link turns into the CPU-signalled fallback) where they cannot run."""
+    from hetccl.vendor import streamops
+
+    ffi = cffi.FFI()
+    ffi.cdef(streamops.CDEF)
+    monkeypatch.setattr(streamops, "_cache", {})
+    monkeypatch.setenv("HETCCL_STREAM_MEMOPS", "0")
+    with pytest.raises(streamops.Unavailable, match="HETCCL_STREAM_MEMOPS=0"):
+        streamops.load_streamops("cuda")
+    monkeypatch.delenv("HETCCL_STREAM_MEMOPS")
+    monkeypatch.setenv("HETCCL_HIP_LIB", "/nonexistent/libamdhip64.so")
+    with pytest.raises(streamops.Unavailable, match="cannot be loaded") as info:
+        streamops.load_streamops("hip")
+    assert isinstance(info.value, TransportError)
+    if ctypes.util.find_library("cuda") is None:  # CI: no GPU driver
+        with pytest.raises(streamops.Unavailable, match="libcuda"):
+            streamops.load_streamops("cuda")

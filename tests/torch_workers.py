@@ -1,5 +1,6 @@
-"""Rank bodies for tests/test_torch_backend.py: `python tests/torch_workers.py CASE [ARGS...]` under
-`hetccl run` (which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Exit code 0 means every check passed."""
+"""Rank bodies for tests/test_torch_backend.py and tests/test_torch_gpu.py: `python tests/torch_workers.py CASE
+[ARGS...]` under `hetccl run` (which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Exit code 0 means every
+check passed. TORCH_TEST_DEVICE=cuda runs the same cases on CUDA tensors (rank i on GPU i % device_count)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_
 REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bfloat16}
+DEVICE = os.environ.get("TORCH_TEST_DEVICE", "cpu")
+
+
+def _device() -> torch.device:
+    """This rank's device: the CPU, or (TORCH_TEST_DEVICE=cuda) GPU local_rank % device_count, made current."""
+    if DEVICE == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("HETCCL_LOCAL_RANK", "0")))
+    dev = torch.device(DEVICE, local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _init(backend: str = "hetccl") -> torch.device:
+    dev = _device()
+    dist.init_process_group(backend)
+    return dev
 
 
 def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -34,7 +52,7 @@ def _val(r: int, shape: tuple[int, ...], dtype: torch.dtype, base: int = 0) -> t
 
 def case_ops(dtype_name: str) -> None:
     dt = DTYPES[dtype_name]
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     assert dist.get_backend() == "hetccl", dist.get_backend()
     everyone = [_val(q, (3, 4), dt) for q in range(n)]
@@ -116,7 +134,36 @@ def case_ops(dtype_name: str) -> None:
         dist.scatter(t, sl, src=root)
         _eq(t, _val(r, (4,), dt, base=root), f"scatter root {root}")
 
-    # send / recv around a ring
+    # coalesced: all_gather_coalesced (lists), and the coalescing manager's fast paths
+    outs = [[torch.zeros(2, dtype=dt) for _ in range(n)], [torch.zeros(3, 1, dtype=dt) for _ in range(n)]]
+    dist.all_gather_coalesced(outs, [_val(r, (2,), dt), _val(r, (3, 1), dt, base=5)])
+    for q in range(n):
+        _eq(outs[0][q], _val(q, (2,), dt), f"all_gather_coalesced[0][{q}]")
+        _eq(outs[1][q], _val(q, (3, 1), dt, base=5), f"all_gather_coalesced[1][{q}]")
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    ts = [_val(r, (4,), dt), _val(r, (2, 2), dt, base=3)]
+    with _coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    _eq(ts[0], sum(_val(q, (4,), dt).to(torch.float64) for q in range(n)).to(dt), "coalesced all_reduce[0]")
+    _eq(ts[1], sum(_val(q, (2, 2), dt, base=3).to(torch.float64) for q in range(n)).to(dt), "coalesced all_reduce[1]")
+    bigs = [torch.zeros(n * 2, dtype=dt), torch.zeros(n * 3, dtype=dt)]
+    with _coalescing_manager():
+        ALL_GATHER_TENSOR(bigs[0], _val(r, (2,), dt))
+        ALL_GATHER_TENSOR(bigs[1], _val(r, (3,), dt, base=1))
+    _eq(bigs[0], torch.cat([_val(q, (2,), dt) for q in range(n)]), "coalesced all_gather_single[0]")
+    _eq(bigs[1], torch.cat([_val(q, (3,), dt, base=1) for q in range(n)]), "coalesced all_gather_single[1]")
+    outs = [torch.zeros(2, 3, dtype=dt), torch.zeros(1, dtype=dt)]
+    with _coalescing_manager():
+        REDUCE_SCATTER_TENSOR(outs[0], torch.cat(ins))
+        REDUCE_SCATTER_TENSOR(outs[1], torch.cat([_val(r, (1,), dt, base=q) for q in range(n)]))
+    _eq(outs[0], exp.to(dt), "coalesced reduce_scatter_single[0]")
+    _eq(outs[1], sum(_val(q, (1,), dt, base=r).to(torch.float64) for q in range(n)).to(dt),
+        "coalesced reduce_scatter_single[1]")
+
+    # send / recv around a ring, and batch_isend_irecv both ways at once
     t = _val(r, (6,), dt)
     got = torch.zeros(6, dtype=dt)
     nxt, prv = (r + 1) % n, (r - 1) % n
@@ -127,12 +174,38 @@ def case_ops(dtype_name: str) -> None:
         dist.recv(got, prv)
         dist.send(t, nxt)
     _eq(got, _val(prv, (6,), dt), "send/recv")
+    got_p, got_n = torch.zeros(6, dtype=dt), torch.zeros(6, dtype=dt)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt), dist.P2POp(dist.irecv, got_p, prv),
+                                   dist.P2POp(dist.isend, t, prv), dist.P2POp(dist.irecv, got_n, nxt)])
+    for q in reqs:
+        q.wait()
+    _eq(got_p, _val(prv, (6,), dt), "batch_isend_irecv from previous")
+    _eq(got_n, _val(nxt, (6,), dt), "batch_isend_irecv from next")
+
+    # PREMUL_SUM (FSDP2's gradient divide factor): sum of inputs * factor; integers are rejected
+    if dt.is_floating_point:
+        t = _val(r, (3, 4), dt)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        _eq(t, (stacked.sum(0) * 0.5).to(dt), "all_reduce PREMUL_SUM")
+        out = torch.zeros(2, 3, dtype=dt)
+        src = torch.cat(ins)
+        keep = src.clone()
+        REDUCE_SCATTER_TENSOR(out, src, op=dist._make_nccl_premul_sum(torch.tensor([0.25], dtype=torch.float64)))
+        _eq(out, (exp * 0.25).to(dt), "reduce_scatter_tensor PREMUL_SUM")
+        _eq(src, keep, "reduce_scatter_tensor PREMUL_SUM leaves its input alone")
+    else:
+        try:
+            dist.all_reduce(torch.ones(2, dtype=dt), op=dist._make_nccl_premul_sum(0.5))
+        except Exception as e:  # noqa: BLE001
+            assert "PREMUL_SUM needs a floating-point tensor" in str(e), e
+        else:
+            raise AssertionError("PREMUL_SUM on integers should be rejected")
 
     # unsupported options raise clearly
     try:
         dist.all_reduce(torch.ones(2, dtype=dt), op=dist.ReduceOp.BAND)
     except Exception as e:  # noqa: BLE001
-        assert "not supported" in str(e), e
+        assert "reduce op BAND is not supported" in str(e), e
     else:
         raise AssertionError("BAND should be rejected")
 
@@ -141,7 +214,7 @@ def case_ops(dtype_name: str) -> None:
 
 
 def case_async() -> None:
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     ts = [torch.full((1000,), float(r + i)) for i in range(8)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]  # several in flight at once
@@ -164,7 +237,7 @@ def case_async() -> None:
 
 
 def case_subgroup() -> None:
-    dist.init_process_group("hetccl")
+    torch.set_default_device(_init())  # every tensor below is made on this rank's device
     r, n = dist.get_rank(), dist.get_world_size()
     members = [0, n - 1]
     g = dist.new_group(members, backend="hetccl")
@@ -189,20 +262,25 @@ def case_subgroup() -> None:
 
 
 def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
-    dist.init_process_group(backend)
+    dev = _init(backend)
     r = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)  # several buckets
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(  # several buckets
+        model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=0.001)
     if hook != "none":
-        from hetccl.torch import hooks
-
+        # hetccl's hooks on hetccl; on Gloo torch's built-in ones (the same arithmetic), except bf16, which torch
+        # refuses without NCCL: there Gloo runs hetccl's hook too, so only the backend differs
+        if backend == "hetccl" or hook == "bf16":
+            from hetccl.torch import hooks
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
         ddp.register_comm_hook(None, getattr(hooks, f"{hook}_hook" if hook == "allreduce" else f"{hook}_compress_hook"))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + r)
     losses = []
     for _ in range(3):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
@@ -215,6 +293,68 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
         _eq(p, ref, "replicas identical")
     with open(f"{out_path}.{r}", "w") as f:
         json.dump(losses, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fsdp_model() -> torch.nn.Module:
+    # 33 and 5 rows do not split evenly over 2 or 3 ranks: FSDP2 pads its shards
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 4))
+
+
+def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
+    """FSDP2 `fully_shard` training, a few SGD steps; the losses go to OUT_PATH.RANK for comparison with Gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dev = _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _fsdp_model().to(dev)
+    kw: dict = {}
+    if variant not in ("plain", "mesh", "hsdp", "bf16-keep", "divide"):
+        raise SystemExit(f"unknown variant {variant}")
+    if variant == "mesh" or (variant != "hsdp" and dev.type == "cpu" and torch.cuda.is_available()):
+        # an explicit DeviceMesh with a dimension name (and on a GPU machine the only way to keep FSDP2 on the CPU)
+        kw["mesh"] = init_device_mesh(dev.type, (n,), mesh_dim_names=("dp",))
+    if variant == "hsdp":  # 2-D mesh: replicate over every rank, shard over one (all_reduce on a subgroup)
+        kw["mesh"] = init_device_mesh(dev.type, (n, 1), mesh_dim_names=("replicate", "shard"))
+    if variant == "bf16-keep":
+        # parameters gathered in bf16, gradients reduced in fp32; they stay unsharded from forward to backward
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["reshard_after_forward"] = False
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if variant == "divide":
+        # A divide factor other than the world size: FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM(1 / factor),
+        # which Gloo rejects; Gloo gets the same arithmetic as a SUM followed by a division.
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(float(n + 1))
+                if backend == "gloo":  # NCCL has PREMUL_SUM itself
+                    m.set_force_sum_reduction_for_comms(True)
+    if backend == "hetccl":
+        assert dist.group.WORLD.group_name, "group name"  # what DeviceMesh reads
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + r)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    full = [p.full_tensor().detach() for p in model.parameters()]  # gathers the shards: identical everywhere
+    for p in full:
+        ref = p.clone()
+        dist.broadcast(ref, src=0)
+        _eq(p, ref, "unsharded parameters identical")
+    with open(f"{out_path}.{r}", "w") as f:
+        json.dump({"losses": losses, "params": [p.double().sum().item() for p in full]}, f)
     dist.barrier()
     dist.destroy_process_group()
 

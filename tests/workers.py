@@ -169,6 +169,7 @@ async def split(comm: hetccl.Communicator) -> None:
         b = np.ones(3, np.float32)
         await none.all_reduce(b)
         check(b, np.full(3, n - 1, np.float32), "split without rank 0")
+    await comm.synchronize()  # host memory only: nothing on a device to wait for
     await comm.barrier()
 
 
@@ -316,22 +317,41 @@ async def stranger(comm: hetccl.Communicator) -> None:
 
 
 async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
-    """Ranks disagree on a collective: every rank raises CollectiveMismatchError naming both sides."""
-    r = comm.rank
-    buf32 = np.ones(1000 if (kind != "count" or r == 0) else 1001, np.float32)
+    """Rank 1 disagrees with the others on a collective: every rank raises CollectiveMismatchError naming
+    the ranks and both sides' descriptions, quickly (a fingerprint in the data, no extra round trip)."""
+    r, n = comm.rank, comm.size
+    odd = r == 1
+    buf32 = np.ones(1000 if (kind != "count" or not odd) else 1001, np.float32)
+    t0 = time.monotonic()
     try:
-        if kind == "dtype" and r == 1:
+        if kind == "dtype" and odd:
             await comm.all_reduce(np.ones(1000, np.int32))
-        elif kind == "op" and r == 1:
+        elif kind == "op" and odd:
             await comm.all_reduce(buf32, op="max")
+        elif kind == "collective":
+            await (comm.broadcast(buf32, root=0) if odd else comm.all_reduce(buf32))
+        elif kind == "root":
+            await comm.broadcast(buf32, root=1 if odd else 0)
+        elif kind == "order":  # rank 1 issues the same two collectives in the other order
+            out = np.zeros(1000 * n, np.float32)
+            if odd:
+                await comm.all_gather(out, buf32)
+                await comm.all_reduce(buf32)
+            else:
+                await comm.all_reduce(buf32)
+                await comm.all_gather(out, buf32)
         else:
             await comm.all_reduce(buf32)
+        # a rank whose part of the odd collective completed (a broadcast root only sends) learns of the
+        # mismatch from another rank's notice: its next collective raises
+        await comm.barrier()
     except hetccl.CollectiveMismatchError as exc:
         text = str(exc)
-        assert "rank 0" in text and "rank 1" in text and "all_reduce" in text, text
-        os.write(1, f"mismatch ok: {text}\n".encode())  # one write: the ranks share stdout
+        took = time.monotonic() - t0
+        assert "rank" in text and took < 10, (text, took)
+        os.write(1, f"mismatch ok rank {r} ({took:.2f} s): {text}\n".encode())  # one write: shared stdout
         return
-    raise AssertionError(f"rank {r}: mismatched all_reduce ({kind}) completed")
+    raise AssertionError(f"rank {r}: mismatched collectives ({kind}) completed")
 
 
 async def signed_zero_ties(comm: hetccl.Communicator) -> None:

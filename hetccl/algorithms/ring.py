@@ -12,6 +12,7 @@ import asyncio
 
 import numpy as np
 
+from .. import observe as _obs
 from ..dtypes import Buf
 from ..scheduler import CollCtx, block_ranges, chunk_ranges, gather_fail_fast, make_tag, num_chunks
 
@@ -76,7 +77,8 @@ async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray, count: i
             if ag_recv[n - 2, c] is not None:
                 await ag_recv[n - 2, c]
 
-    await gather_fail_fast([chunk_chain(c) for c in range(nch)])
+    chains = [chunk_chain(c) for c in range(nch)]
+    await gather_fail_fast(_obs.chunks(ctx, chains) if _obs.ON else chains)
 
 
 async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
@@ -116,7 +118,8 @@ async def broadcast(ctx: CollCtx, buf: Buf, root: int) -> None:
         if pos < n - 1 and len(views[c]):
             await ctx.send(nxt, make_tag(BC, 0, c), views[c])
 
-    await gather_fail_fast([chain(c) for c in range(nch)])
+    chains = [chain(c) for c in range(nch)]
+    await gather_fail_fast(_obs.chunks(ctx, chains) if _obs.ON else chains)
 
 
 async def reduce(ctx: CollCtx, buf: Buf, root: int, scratch: np.ndarray | None) -> None:
@@ -142,7 +145,8 @@ async def reduce(ctx: CollCtx, buf: Buf, root: int, scratch: np.ndarray | None) 
         if pos < n - 1 and len(views[c]):
             await ctx.send(nxt, make_tag(RD, 0, c), views[c])
 
-    await gather_fail_fast([chain(c) for c in range(nch)])
+    chains = [chain(c) for c in range(nch)]
+    await gather_fail_fast(_obs.chunks(ctx, chains) if _obs.ON else chains)
     if r == root:
         ctx.finish_avg(buf)
 

@@ -18,24 +18,31 @@ buffers on GPU islands, host buffers on CPU islands).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .. import native
 from ..config import parse_size
 from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
-from .runtime import as_tensor, divide_inplace, staging, stream_of, torch_mod, wait_event
+from .runtime import as_tensor, divide_inplace, reduce_inplace, staging, stream_of, torch_mod, wait_event
 from .vendor_comm import VendorComm
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
 
+log = logging.getLogger("hetccl")
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
 STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
+# at most this many bytes, the leaders' all_reduce goes through host memory in one piece (a copy each way
+# and hetccl's host all_reduce cost less than the pipelined link's per-chunk set-up)
+SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
 
 
 def vendor_of(label: str) -> str | None:
@@ -102,7 +109,7 @@ async def _vendor(comm: Communicator, lay: Layout, buf: DeviceBuf) -> VendorComm
         # the same key on every island member (their devices differ): the island's n-th vendor communicator
         key = f"{fab.job}/vendor/{sub.comm_id}/{len(lay.vendor_comms)}"
         vc = await VendorComm.create(vendor, fab.store, key, members.index(comm.rank), len(members), buf.device,
-                                     comm._settings.timeout)
+                                     comm._settings.timeout, fab.lost, [comm._members[m] for m in members])
         lay.vendor_comms[buf.device] = vc
     return vc
 
@@ -127,6 +134,30 @@ async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
     vc = await _vendor(comm, lay, buf)
     await vc.run(lambda s: vc.lib.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, vc.comm, s),
                  stream_of(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
+
+
+def _vendor_comms(comm: Communicator) -> list[VendorComm]:
+    """Every vendor communicator of comm and of its sub-communicators (island, leaders, splits)."""
+    out: list[VendorComm] = []
+    todo, seen = [comm], set()
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        lay = c._gpu_layout
+        if lay is not None:
+            out.extend(lay.vendor_comms.values())
+            todo.extend(x for x in (lay.island_comm, lay.leaders) if x is not None)
+        todo.extend(c._children)
+    return out
+
+
+async def synchronize(comm: Communicator) -> None:
+    """Wait for every device operation enqueued through comm (and its sub-communicators) to complete."""
+    deadline = _deadline(comm)
+    for vc in _vendor_comms(comm):
+        await vc.drain(deadline)
 
 
 async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
@@ -163,11 +194,16 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
                      stream, _deadline(comm), "island reduce")
     if lay.leaders is not None and lay.leaders.size > 1:
-        link = await _pairlink(comm, lay, t)
-        if link is not None:
+        link = await _pairlink(comm, lay, t) if buf.nbytes > SMALL_BYTES else None
+        if buf.nbytes <= SMALL_BYTES:
+            await small_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+        elif link is not None:
             await link.all_reduce(t, inner, stream, _deadline(comm))
         else:
-            await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
+            # every leader a GPU: gather the chunks and reduce on the devices; a CPU leader reduces on the host
+            # anyway, and then every leader runs the host all_reduce (the same collectives on all of them)
+            on_device = all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+            await staged_all_reduce(lay.leaders, t, inner, stream, _deadline(comm), on_device)
     if len(members) > 1:
         vc = await _island_vendor(lay, buf)
         await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, 0, vc.comm, s),
@@ -196,12 +232,48 @@ async def _pairlink(comm: Communicator, lay: Layout, t: Any) -> Any:
     if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
         return None
     if lay.pairlink is None:
-        lay.pairlink = await pairlink.PairLink.create(leaders, t.device, STAGE_CHUNK, comm._settings.timeout)
+        need = pairlink.segment_bytes(STAGE_CHUNK)
+        room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
+        await leaders._all_reduce_flat(room, op="min")  # both leaders take the same path
+        if room[0]:
+            lay.pairlink = await pairlink.PairLink.create(leaders, t.device, STAGE_CHUNK, comm._settings.timeout)
+        else:
+            log.warning("hetccl: /dev/shm cannot hold the zero-copy cross-island link (%d MiB); staging through "
+                        "hetccl's transports instead (enlarge /dev/shm, or lower HETCCL_STAGE_BYTES)", need >> 20)
+            lay.pairlink = False
+    if lay.pairlink is False:
+        return None
     return lay.pairlink
 
 
-async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
-    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk."""
+async def small_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+    """all_reduce of a small device tensor among island leaders: one copy to pinned host memory, hetccl's host
+    all_reduce, one copy back, all ordered on the caller's stream."""
+    torch = torch_mod()
+    raw = t.view(torch.uint8)
+    n = raw.numel()
+    pinned, _, _ = staging(t.device, max(SMALL_BYTES, 1), 1, use="small")
+    host = pinned[0][:n]
+    with torch.cuda.stream(stream):
+        host.copy_(raw, non_blocking=True)
+        out = torch.cuda.Event()
+        out.record(stream)
+    await wait_event(out, deadline, "device-to-host copy")
+    await leaders._all_reduce_flat(host.view(t.dtype), op=op)
+    with torch.cuda.stream(stream):
+        raw.copy_(host, non_blocking=True)
+        back = torch.cuda.Event()
+        back.record(stream)
+    await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
+
+
+async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float,
+                            on_device: bool = False) -> None:
+    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk.
+
+    on_device=False: each chunk goes through hetccl's host all_reduce (host reduction). on_device=True (every
+    leader holds device memory): each chunk is all-gathered through host memory and the leaders' blocks are
+    reduced on the device, in rank order, so that every leader computes bit-identical results."""
     torch = torch_mod()
     raw = t.view(torch.uint8)
     n = raw.numel()
@@ -211,6 +283,10 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
     isz = t.element_size()
     chunk = (STAGE_CHUNK // isz) * isz
     pinned, d2h, h2d = staging(t.device, chunk, 3)
+    k = leaders.size
+    if on_device:
+        gathered, _, _ = staging(t.device, k * chunk, 3, use="gathered")  # k blocks per slot
+        scratch = _device_scratch(t.device, k * chunk, 3)
     d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
     free = [asyncio.Event() for _ in pinned]
     for ev in free:
@@ -221,11 +297,24 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         try:
             await wait_event(copied, deadline, "device-to-host staging")
             host = pinned[slot][:size]
-            await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
-            with torch.cuda.stream(h2d):
-                raw[off: off + size].copy_(host, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(h2d)
+            if on_device:
+                blocks = gathered[slot][:k * size]
+                await leaders.all_gather(blocks.view(t.dtype), host.view(t.dtype), _flat=True)
+                with torch.cuda.stream(h2d):
+                    dev = scratch[slot][:k * size]
+                    dev.copy_(blocks, non_blocking=True)
+                    dst = raw[off: off + size]
+                    dst.copy_(dev[:size], non_blocking=True)
+                    for b in range(1, k):
+                        reduce_inplace(dst.view(t.dtype), dev[b * size:(b + 1) * size].view(t.dtype), op)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
+            else:
+                await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
+                with torch.cuda.stream(h2d):
+                    raw[off: off + size].copy_(host, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
             await wait_event(done, deadline, "host-to-device staging")
         finally:
             free[slot].set()  # also on failure: the loop below then sees the task's error at once
@@ -254,6 +343,19 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         for task in tasks:
             task.cancel()
     stream.wait_stream(h2d)  # work queued after the collective sees the result
+
+
+_SCRATCH: dict[tuple[int, int], list[Any]] = {}
+
+
+def _device_scratch(device: Any, nbytes: int, slots: int) -> list[Any]:
+    torch = torch_mod()
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
+    cached = _SCRATCH.get(key)
+    if cached is None or cached[0].numel() < nbytes:
+        cached = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        _SCRATCH[key] = cached
+    return cached
 
 
 async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]

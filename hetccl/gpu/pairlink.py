@@ -6,6 +6,15 @@ direction; the sender copies a chunk from its device straight into a slot (D2H o
 it with a release store, and the receiver copies the slot into device scratch (H2D) and reduces it into its
 buffer on the device. Slots are recycled through consumed counters. The CPU only moves counters.
 
+Two ways to move the counters, agreed by both leaders when the link is made:
+
+- GPU-signalled (default where the driver has stream memory operations, `vendor/streamops.py`): the copy
+  streams write and wait for 32-bit counters in the shared segment themselves, so the whole collective is
+  enqueued ahead and runs with no CPU in the loop; the host only waits for the end (with a deadline, and
+  watching for a lost peer, in which case it releases the streams by overwriting the counters).
+- CPU-signalled (fallback, `HETCCL_STREAM_MEMOPS=0`): asyncio tasks poll CUDA events and move 64-bit counters
+  with release/acquire stores.
+
 Used by the hierarchical all_reduce when exactly two islands' leaders share a host and both hold device
 buffers (the layout of two GPU vendors' islands on one machine); other layouts take the generic staged path.
 """
@@ -13,21 +22,32 @@ buffers (the layout of two GPU vendors' islands on one machine); other layouts t
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from .. import native
 from ..dtypes import ReduceOp
-from ..errors import CollectiveTimeout, TransportError
+from ..errors import CollectiveTimeout, PeerLostError, TransportError
 from ..transports.shm import _Segment
 from .runtime import reduce_inplace, torch_mod, wait_event
 
-SLOTS = 8
-HEADER = 4096  # counters: produced[d] at 0 + 256*d, consumed[d] at 128 + 256*d (own cache lines)
+# slots per direction: 16 x 4 MiB measured best on 2 H200 (8 starves the copy engines past 32 MiB; smaller
+# chunks pay the counters' round trip more often)
+SLOTS = int(os.environ.get("HETCCL_PAIRLINK_SLOTS", "16"))
+# counters, each on its own cache line: CPU-signalled produced[d] at 0 + 256*d, consumed[d] at 128 + 256*d
+# (uint64); GPU-signalled produced[d] at 2048 + 256*d, consumed[d] at 2048 + 128 + 256*d (uint32)
+HEADER = 4096
+GPU_COUNTERS = 2048
+SCRATCH = 2
+log = logging.getLogger("hetccl")
 
 
 class PairLink:
-    def __init__(self, seg: _Segment, me: int, slot_bytes: int, device: Any):
+    def __init__(self, seg: _Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
+                 lost: Any = None):
         torch = torch_mod()
         self.seg, self.me, self.peer = seg, me, 1 - me
         self.slot_bytes = slot_bytes
@@ -42,7 +62,17 @@ class PairLink:
         self.h2d = torch.cuda.Stream(device=device)
         # two scratch buffers: the copy of chunk c+1 overlaps the reduction of chunk c; reuse of a scratch buffer
         # two chunks later is ordered by the copy stream itself
-        self.scratch = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.scratch = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(SCRATCH)]
+        self.ops = ops  # stream memory operations (GPU-signalled mode) or None
+        self.lost = lost if lost is not None else {}  # the fabric's lost peers: a dead leader ends the wait
+        self.broken: BaseException | None = None
+        self.scratch_free: list[Any] = [None] * SCRATCH  # event: the last reduction that read scratch[k]
+        if ops is not None:
+            base = seg.cbase + GPU_COUNTERS
+            self.counters32 = ffi.cast("uint32_t *", base)  # word index: 64*d (produced), 64*d + 32 (consumed)
+            dev = ops.device_pointer(int(ffi.cast("uintptr_t", base)))
+            self.dev_produced = [dev + 256 * d for d in (0, 1)]
+            self.dev_consumed = [dev + 256 * d + 128 for d in (0, 1)]
 
     def slot(self, direction: int, seq: int) -> Any:
         off = HEADER + (direction * SLOTS + seq % SLOTS) * self.slot_bytes
@@ -54,7 +84,7 @@ class PairLink:
         fab = leaders._fabric
         me = leaders.rank
         name = f"hetccl-{fab.job}-pair-{leaders.comm_id:x}"
-        size = HEADER + 2 * SLOTS * slot_bytes
+        size = segment_bytes(slot_bytes)
         key = f"{fab.job}/pair/{leaders.comm_id}"
         if me == 0:
             seg = _Segment(name, size, create=True)
@@ -66,11 +96,19 @@ class PairLink:
             seg = _Segment(name, size, create=False)
             await fab.store.set(f"{key}/mapped", 1)
         ptr = int(native.ffi.cast("uintptr_t", seg.cbase))
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 1)  # 1 = portable: pinned for every context
+        # 1 | 2 = portable (pinned for every context) and mapped (the GPUs address it: the counters)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 3)
         if int(err) != 0:
             raise TransportError(f"cudaHostRegister of the cross-island segment failed (error {int(err)}); "
                                  "set HETCCL_PAIRLINK=0 to stage through hetccl's host transports instead")
-        return cls(seg, me, slot_bytes, device)
+        ops, why = _stream_ops(torch, seg)
+        both = np.array([1 if ops is not None else 0], dtype=np.int32)
+        await leaders._all_reduce_flat(both, op="min")  # both leaders must signal the same way
+        if ops is not None and not both[0]:
+            ops, why = None, "the other leader cannot use stream memory operations"
+        if ops is None:
+            log.info("hetccl: cross-island link signalled by the CPU (%s)", why)
+        return cls(seg, me, slot_bytes, device, ops, fab.lost)
 
     async def _wait_counter(self, ptr: Any, target: int, deadline: float, what: str) -> None:
         loop = asyncio.get_running_loop()
@@ -82,6 +120,83 @@ class PairLink:
             await asyncio.sleep(0)
 
     async def all_reduce(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+        """t = mine OP the other leader's, elementwise, ordered on `stream`; returns once complete."""
+        if self.broken is not None:
+            raise self.broken
+        if self.ops is not None:
+            await self._all_reduce_gpu(t, op, stream, deadline)
+        else:
+            await self._all_reduce_cpu(t, op, stream, deadline)
+
+    def _chunks(self, t: Any) -> list[tuple[int, int]]:
+        n = t.numel() * t.element_size()
+        step = (self.slot_bytes // t.element_size()) * t.element_size()
+        return [(off, min(step, n - off)) for off in range(0, n, step)]
+
+    async def _all_reduce_gpu(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+        """Everything enqueued at once: per chunk, the sender's copy stream waits for a free slot (the peer's
+        consumed counter), copies, and publishes (produced counter); the receiver's copy stream waits for
+        the peer's produced counter, copies the slot to scratch and frees the slot; the caller's stream
+        reduces the chunk once its own copy out and the peer's copy in are done."""
+        torch = torch_mod()
+        raw = t.view(torch.uint8)
+        chunks = self._chunks(t)
+        if not chunks:
+            return
+        ops, me, peer = self.ops, self.me, self.peer
+        d2h, h2d = self.d2h, self.h2d
+        d2h.wait_stream(stream)  # our data as the caller's queued work leaves it
+        base_out, base_in = self.sent, self.received
+        view = raw.view(t.dtype)
+        isz = t.element_size()
+        for c, (off, size) in enumerate(chunks):
+            s_out, s_in = base_out + c, base_in + c
+            if s_out >= SLOTS:
+                ops.wait_geq(d2h.cuda_stream, self.dev_consumed[me], s_out - SLOTS + 1)
+            with torch.cuda.stream(d2h):
+                self.slot(me, s_out)[:size].copy_(raw[off: off + size], non_blocking=True)
+            ops.write(d2h.cuda_stream, self.dev_produced[me], s_out + 1)
+            sent = torch.cuda.Event()
+            sent.record(d2h)
+            k = c % SCRATCH
+            if self.scratch_free[k] is not None:
+                h2d.wait_event(self.scratch_free[k])
+            ops.wait_geq(h2d.cuda_stream, self.dev_produced[peer], s_in + 1)
+            with torch.cuda.stream(h2d):
+                self.scratch[k][:size].copy_(self.slot(peer, s_in)[:size], non_blocking=True)
+            ops.write(h2d.cuda_stream, self.dev_consumed[peer], s_in + 1)
+            got = torch.cuda.Event()
+            got.record(h2d)
+            stream.wait_event(sent)  # our chunk left before the reduction overwrites it
+            stream.wait_event(got)
+            with torch.cuda.stream(stream):
+                reduce_inplace(view[off // isz: (off + size) // isz], self.scratch[k][:size].view(t.dtype), op)
+                done = torch.cuda.Event()
+                done.record(stream)
+            self.scratch_free[k] = done
+        self.sent += len(chunks)
+        self.received += len(chunks)
+        try:
+            await wait_event(done, deadline, "cross-island all_reduce", self._check_peer)
+        except BaseException as exc:
+            self._release(exc)
+            raise
+
+    def _check_peer(self) -> None:
+        if self.lost:
+            rank, exc = next(iter(self.lost.items()))
+            raise PeerLostError(f"cross-island link: rank {rank} was lost ({exc})", rank)
+
+    def _release(self, exc: BaseException) -> None:
+        """The collective failed with work still queued: overwrite every counter far ahead so that no copy
+        stream waits forever on a peer that will not come, and refuse further use."""
+        self.broken = self.broken or exc
+        ahead = (max(self.sent, self.received) + (1 << 29)) & 0xFFFFFFFF
+        for d in (0, 1):
+            self.counters32[64 * d] = ahead
+            self.counters32[64 * d + 32] = ahead
+
+    async def _all_reduce_cpu(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
         torch = torch_mod()
         raw = t.view(torch.uint8)
         n = raw.numel()
@@ -146,6 +261,32 @@ class PairLink:
         done = torch.cuda.Event()
         done.record(self.h2d)
         await wait_event(done, deadline, "cross-island reduction")  # like every collective: awaited = complete
+
+
+def _stream_ops(torch: Any, seg: _Segment) -> tuple[Any, str]:
+    """The stream memory operations, checked on the segment's counters, or (None, why not)."""
+    from ..vendor.streamops import load_streamops
+
+    try:
+        ops = load_streamops("hip" if getattr(torch.version, "hip", None) else "cuda")
+        ops.device_pointer(int(native.ffi.cast("uintptr_t", seg.cbase + GPU_COUNTERS)))
+    except TransportError as exc:
+        return None, str(exc)
+    return ops, ""
+
+
+def segment_bytes(slot_bytes: int) -> int:
+    return HEADER + 2 * SLOTS * slot_bytes
+
+
+def shm_room(nbytes: int) -> bool:
+    """Whether /dev/shm can hold the segment (containers often give it 64 MiB: touching pages past its
+    size would kill the process with SIGBUS, so check first)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= nbytes
 
 
 def enabled() -> bool:

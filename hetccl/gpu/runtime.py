@@ -5,6 +5,7 @@ tensors without a copy (DLPack / the interface), so one code path serves them al
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import Any
 
 from ..dtypes import DType, ReduceOp
@@ -48,9 +49,17 @@ def torch_dtype(dt: DType) -> Any:
     return _TORCH_DTYPES[dt]
 
 
+# The stream a collective is ordered on when the call comes from another thread (the torch backend submits
+# to hetccl's loop thread, whose current stream is not the caller's): set per asyncio task
+CALLER_STREAM: contextvars.ContextVar[Any] = contextvars.ContextVar("hetccl_caller_stream", default=None)
+
+
 def stream_of(buf: DeviceBuf) -> Any:
     torch = torch_mod()
     if buf.framework == "torch":
+        caller = CALLER_STREAM.get()
+        if caller is not None and caller.device_index == buf.device:
+            return caller
         return torch.cuda.current_stream(buf.device)
     if buf.stream:
         return torch.cuda.ExternalStream(buf.stream, device=buf.device if buf.device >= 0 else None)
@@ -93,14 +102,14 @@ async def wait_event(event: Any, deadline: float, what: str, poll: Any = None) -
         await asyncio.sleep(0 if spins < 200_000 else 0.0005)
 
 
-_STAGING: dict[tuple[int, int], Any] = {}
+_STAGING: dict[tuple[int, int, str], Any] = {}
 
 
-def staging(device: Any, nbytes: int, slots: int) -> tuple[list[Any], Any, Any]:
-    """Pinned host buffers and two copy streams for a device, allocated once (pinned allocation costs
-    milliseconds: never on the hot path)."""
+def staging(device: Any, nbytes: int, slots: int, use: str = "") -> tuple[list[Any], Any, Any]:
+    """Pinned host buffers and two copy streams for a device, allocated once per (device, slots, use)
+    (pinned allocation costs milliseconds: never on the hot path)."""
     torch = torch_mod()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), slots, use)
     cached = _STAGING.get(key)
     if cached is None or cached[0][0].numel() < nbytes:
         bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]

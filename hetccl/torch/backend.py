@@ -40,13 +40,38 @@ class UnsupportedError(RuntimeError):
     """An option or argument shape the hetccl torch backend does not implement."""
 
 
-def _reduce_op(opts: Any) -> str:
-    op = opts.reduceOp
+def _reduce_op(opts: Any) -> tuple[str, float | None]:
+    """(hetccl op name, premultiplier): PREMUL_SUM(f) (FSDP2's gradient divide factor) is a sum of inputs * f."""
+    op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
     kind = getattr(op, "op", op)
     for torch_op, name in _OPS.items():
         if kind == torch_op:
-            return name
-    raise UnsupportedError(f"hetccl backend: reduce op {op} is not supported (use SUM, PRODUCT, MIN, MAX or AVG)")
+            return name, None
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        try:
+            factor = op.factor  # a float or a one-element tensor (torch >= 2.x exposes it to Python)
+        except (AttributeError, RuntimeError) as e:
+            raise UnsupportedError("hetccl backend: ReduceOp.PREMUL_SUM without a readable factor in this torch "
+                                   "version is not supported") from e
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise UnsupportedError("hetccl backend: PREMUL_SUM needs a scalar factor "
+                                       f"(got a tensor of {factor.numel()} elements)")
+            factor = factor.item()
+        return "sum", float(factor)
+    name = getattr(kind, "name", str(kind))
+    raise UnsupportedError(f"hetccl backend: reduce op {name} is not supported "
+                           "(use SUM, PRODUCT, MIN, MAX, AVG or PREMUL_SUM)")
+
+
+def _premul(t: torch.Tensor, factor: float | None, inplace: bool) -> torch.Tensor:
+    """t scaled by the PREMUL_SUM factor (in place when t is a buffer the op overwrites anyway)."""
+    if factor is None:
+        return t
+    if not t.is_floating_point():
+        raise UnsupportedError(f"hetccl backend: PREMUL_SUM needs a floating-point tensor (got {t.dtype})")
+    with torch.no_grad():
+        return t.mul_(factor) if inplace else t * factor
 
 
 def _free_port(host: str) -> int:
@@ -87,12 +112,17 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
                 os.environ["HETCCL_SECRET"] = old
 
 
-class _Staged:
-    """A contiguous stand-in for a tensor; `finish()` copies results back into the original."""
+# CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
+# islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
+_CUDA_DIRECT = os.environ.get("HETCCL_TORCH_CUDA", "direct") != "staged"
 
-    def __init__(self, t: torch.Tensor, writeback: bool = True):
-        if t.device.type != "cpu":
-            # CUDA transport lives in hetccl.gpu; until the torch path routes there, stage through host memory
+
+class _Staged:
+    """A contiguous stand-in for a tensor; `finish()` copies results back into the original. CUDA tensors stay
+    on the device unless `host` (ops hetccl runs only on host memory: point-to-point)."""
+
+    def __init__(self, t: torch.Tensor, writeback: bool = True, host: bool = False):
+        if t.device.type != "cpu" and (host or not _CUDA_DIRECT):
             self.orig, self.buf, self.writeback = t, t.detach().to("cpu").contiguous(), writeback
         elif t.is_contiguous():
             self.orig, self.buf, self.writeback = t, t, False
@@ -117,7 +147,29 @@ def _single(tensors: Sequence[Any], what: str) -> Any:
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0)
+    """The tensors concatenated into one new contiguous host tensor (device tensors are staged through host)."""
+    if not ts:
+        return torch.empty(0, device="cpu")
+    return torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu")
+
+
+def _cuda_devices(obj: Any, found: set[int] | None = None) -> list[int]:
+    """CUDA device indices of the tensors in obj (nested lists): a Future holding them must be told."""
+    found = set() if found is None else found
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda":
+            found.add(obj.device.index if obj.device.index is not None else torch.cuda.current_device())
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            _cuda_devices(o, found)
+    return sorted(found)
+
+
+def _future(result: Any) -> torch.futures.Future:
+    """A Future for `result`; one that will hold CUDA tensors is created with their devices (else torch refuses
+    to complete it), so that waiting on it orders the waiter's stream after the copy back."""
+    devices = _cuda_devices(result)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
 
 def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
@@ -139,12 +191,28 @@ class HetcclBackend(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._group_name = group_name
+        self._group_desc = ""
         self._comm = _bootstrap(store, rank, size, timeout)
         self._acomm = self._comm.async_comm
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND_NAME
+
+    # c10d keeps a group's name and description in the per-device C++ backends; a Python ProcessGroup has
+    # none, so `pg.group_name` (which DeviceMesh, FSDP2 and functional collectives read) would raise "ProcessGroup
+    # name not set". The trampoline forwards these four virtuals to Python, so they live here.
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = str(name)
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = str(desc)
 
     @property
     def comm(self) -> hetccl.SyncCommunicator:
@@ -153,12 +221,20 @@ class HetcclBackend(dist.ProcessGroup):
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
                 after: Callable[[], None] | None = None) -> Any:
         """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
+        # the caller's stream: device collectives are enqueued on it (not on the loop thread's own current
+        # stream), and copies back and the future's completion events are recorded on it
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
 
         async def body() -> None:
+            if stream is not None:
+                from ..gpu.runtime import CALLER_STREAM
+
+                CALLER_STREAM.set(stream)  # this task's context only
             await coro_fn()
 
-        def done(cf: Any) -> None:
+        def complete(cf: Any) -> None:
             try:
                 exc = cf.exception()
                 if exc is None and after is not None:
@@ -170,24 +246,32 @@ class HetcclBackend(dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
+        def done(cf: Any) -> None:
+            if stream is None:
+                complete(cf)
+            else:
+                with torch.cuda.stream(stream):
+                    complete(cf)
+
         self._comm.submit(body()).add_done_callback(done)
         return _create_work_from_future(fut)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts) if opts is not None else "sum"
+        op, factor = _reduce_op(opts)
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         st = _Staged(tensors[0])
+        _premul(st.buf, factor, inplace=True)
         return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = _reduce_op(opts) if opts is not None else "sum"
+        op, factor = _reduce_op(opts)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) > 1:
             raise UnsupportedError("hetccl backend: allreduce_coalesced needs one dtype "
                                    f"(got {sorted(map(str, dtypes))})")
-        flat = _flat(tensors)
+        flat = _premul(_flat(tensors), factor, inplace=True)
 
         def after() -> None:
             off = 0
@@ -206,7 +290,7 @@ class HetcclBackend(dist.ProcessGroup):
         if len(outs) != self._size:
             raise UnsupportedError(f"hetccl backend: allgather needs {self._size} output tensors (got {len(outs)})")
         _same_shapes(outs, inp.buf, "allgather")
-        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype)
+        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype, device="cpu")
 
         def after() -> None:
             n = inp.buf.numel()
@@ -224,43 +308,74 @@ class HetcclBackend(dist.ProcessGroup):
         return self._launch(lambda: self._acomm.all_gather(out.buf.reshape(-1), inp.buf.reshape(-1)), [output],
                             out.finish)
 
-    all_gather_single = _allgather_base  # the name some torch versions dispatch to
+    all_gather_single = _allgather_base  # torch 2.13's name (older torch calls _allgather_base)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return self._chain(works, outputs)
 
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # torch 2.13's name
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        """dist.all_gather_coalesced: output_lists[i][r] receives rank r's inputs[i] (one flat all_gather)."""
+        if len(output_lists) != len(inputs):
+            raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs one output list per input "
+                                   f"({len(output_lists)} lists for {len(inputs)} inputs)")
+        if len({t.dtype for t in inputs}) > 1:
+            raise UnsupportedError("hetccl backend: all_gather_coalesced needs one dtype for all inputs")
+        for outs, inp in zip(output_lists, inputs, strict=True):
+            if len(outs) != self._size:
+                raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs {self._size} outputs per input")
+            _same_shapes(outs, inp, "all_gather_coalesced")
+        flat_in = _flat(inputs)
+        n = flat_in.numel()
+        flat = torch.empty(self._size * n, dtype=flat_in.dtype, device="cpu")
+
+        def after() -> None:
+            with torch.no_grad():
+                for r in range(self._size):
+                    off = r * n
+                    for outs in output_lists:
+                        k = outs[r].numel()
+                        outs[r].copy_(flat[off:off + k].view_as(outs[r]))
+                        off += k
+
+        return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after)
+
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
-        op = _reduce_op(opts) if opts is not None else "sum"
+        op, factor = _reduce_op(opts)
         out = _Staged(_single(output_tensors, "reduce_scatter"))
         ins = _single(input_tensors, "reduce_scatter")
         if len(ins) != self._size:
             raise UnsupportedError(f"hetccl backend: reduce_scatter needs {self._size} input tensors (got {len(ins)})")
         _same_shapes(ins, out.buf, "reduce_scatter")
-        flat = _flat(ins)
+        flat = _premul(_flat(ins), factor, inplace=True)
         return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), flat, op), output_tensors,
                             out.finish)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        op = _reduce_op(opts) if opts is not None else "sum"
+        op, factor = _reduce_op(opts)
         out, inp = _Staged(output), _Staged(input, writeback=False)
         if inp.buf.numel() != self._size * out.buf.numel():
             raise UnsupportedError(f"hetccl backend: reduce_scatter_tensor input has {inp.buf.numel()} elements, "
                                    f"needs world_size * output = {self._size * out.buf.numel()}")
-        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), inp.buf.reshape(-1), op),
-                            [output], out.finish)
+        src = _premul(inp.buf, factor, inplace=False).reshape(-1)
+        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), src, op), [output], out.finish)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single = _reduce_scatter_base  # torch 2.13's name (older torch calls _reduce_scatter_base)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return self._chain(works, outputs)
 
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # torch 2.13's name
+
     def _chain(self, works: list[Any], result: Any) -> Any:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
         futs = [w.get_future() for w in works]
         if not futs:
             fut.set_result(result)
@@ -284,14 +399,18 @@ class HetcclBackend(dist.ProcessGroup):
         return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        op = _reduce_op(opts)
+        op, factor = _reduce_op(opts)
         st = _Staged(_single(tensors, "reduce"))
         root = int(opts.rootRank)
+        if factor is not None:  # the root's tensor receives the result; the others' stay as they were
+            st.buf = _premul(st.buf.clone(), factor, inplace=True)
+            st.writeback = self._rank == root
         return self._launch(lambda: self._acomm.reduce(st.buf, root, op), list(tensors), st.finish)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
-        out, inp = _Staged(output), _Staged(input, writeback=False)
+        uneven = bool(output_split_sizes or input_split_sizes)  # point-to-point exchanges: host memory
+        out, inp = _Staged(output, host=uneven), _Staged(input, writeback=False, host=uneven)
         if out.buf.numel() != inp.buf.numel() or inp.buf.numel() % self._size:
             if not output_split_sizes and not input_split_sizes:
                 raise UnsupportedError("hetccl backend: all_to_all_single without split sizes needs input and "
@@ -300,6 +419,8 @@ class HetcclBackend(dist.ProcessGroup):
             return self._launch(lambda: self._acomm.all_to_all(out.buf.reshape(-1), inp.buf.reshape(-1)),
                                 [output], out.finish)
         return self._alltoallv(out, inp, list(output_split_sizes), list(input_split_sizes), [output])
+
+    all_to_all_single = alltoall_base  # torch 2.13's name (older torch calls alltoall_base)
 
     def _alltoallv(self, out: _Staged, inp: _Staged, osplits: list[int], isplits: list[int], result: Any) -> Any:
         """Uneven all_to_all_single: rows along dim 0, exchanged with point-to-point sends and receives."""
@@ -343,7 +464,7 @@ class HetcclBackend(dist.ProcessGroup):
         dtype = flat_in.dtype
         if any(t.dtype != dtype for t in output_tensors):
             raise UnsupportedError("hetccl backend: all_to_all needs one dtype for all tensors")
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype, device="cpu")
         out_st = _Staged(flat_out, writeback=False)
         isz, osz = [t.numel() for t in input_tensors], [t.numel() for t in output_tensors]
 
@@ -357,11 +478,11 @@ class HetcclBackend(dist.ProcessGroup):
         if len(set(isz)) == 1 and isz == osz:
             return self._launch(lambda: self._acomm.all_to_all(flat_out, flat_in), output_tensors, after)
         work_result = output_tensors
-        w = self._alltoallv(out_st, _Staged(flat_in, writeback=False), osz, isz, work_result)
+        w = self._alltoallv(out_st, _Staged(flat_in, writeback=False, host=True), osz, isz, work_result)
         return self._chain_after(w, after, work_result)
 
     def _chain_after(self, work: Any, after: Callable[[], None], result: Any) -> Any:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(result)
 
         def done(f: Any) -> None:
             try:
@@ -384,7 +505,7 @@ class HetcclBackend(dist.ProcessGroup):
             if len(outs) != self._size:
                 raise UnsupportedError(f"hetccl backend: gather needs {self._size} output tensors on the root")
             _same_shapes(outs, inp.buf, "gather")
-            flat = torch.empty(self._size * n, dtype=inp.buf.dtype)
+            flat = torch.empty(self._size * n, dtype=inp.buf.dtype, device="cpu")
 
             def after() -> None:
                 with torch.no_grad():
@@ -409,11 +530,11 @@ class HetcclBackend(dist.ProcessGroup):
 
     # ---- point to point and barrier ------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        st = _Staged(_single(tensors, "send"), writeback=False)
+        st = _Staged(_single(tensors, "send"), writeback=False, host=True)
         return self._launch(lambda: self._acomm.send(st.buf, int(dst)), list(tensors))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        st = _Staged(_single(tensors, "recv"))
+        st = _Staged(_single(tensors, "recv"), host=True)
         return self._launch(lambda: self._acomm.recv(st.buf, int(src)), list(tensors), st.finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:

@@ -128,6 +128,11 @@ class Endpoint(abc.ABC):
 
 
 DROP = False  # Matcher.take: read the frame and discard it
+# A frame with this tag is not data: a rank that found a collective mismatch tells the other ranks of the
+# communicator (payload: msgpack {"rank": detector's comm rank, "text": its error}), so that ranks which never
+# exchange data with the odd one out also raise instead of waiting for their deadline.
+NOTICE_TAG = 0xFFFE << 48
+NOTICE_MAX_BYTES = 4096
 
 
 class RecvRequest:
@@ -148,7 +153,7 @@ class RecvRequest:
             self.fut.set_result(None)
 
 
-def _mismatch(me: int, peer: int, want: Fingerprint, got: Fingerprint) -> CollectiveMismatchError:
+def mismatch_error(me: int, peer: int, want: Fingerprint, got: Fingerprint) -> CollectiveMismatchError:
     return CollectiveMismatchError(
         f"collective mismatch between rank {me} and rank {peer}: rank {me} runs {want.describe()} "
         f"but rank {peer} sent data for {got.describe()}; every rank must issue the same collectives "
@@ -167,6 +172,10 @@ class Matcher:
         self._space = asyncio.Event()
         self._free: list[np.ndarray] = []  # recycled early-message buffers: no allocation per message
         self.withdrawn: deque[tuple[int, int]] = deque(maxlen=256)  # recently failed collectives
+        # set by the fabric: called with (peer, fingerprint, payload bytes) for a mismatch notice
+        self.on_notice: Callable[[int, Fingerprint, bytes], None] | None = None
+        # set by the fabric: called with (peer, fingerprint) when a frame is kept as early data
+        self.on_stash: Callable[[int, Fingerprint], None] | None = None
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A buffer for an early message (returned to the pool once delivered)."""
@@ -189,13 +198,17 @@ class Matcher:
         early = self.early.pop(key, None)
         req = RecvRequest(fp, dst, reduce, fut)
         if early is None:
+            for (comm, seq, _t), (got, _data) in self.early.items() if self.early else ():
+                if comm == fp.comm and seq == fp.seq and got != fp:  # the peer runs another collective here
+                    fut.set_exception(mismatch_error(self.me, self.peer, fp, got))
+                    return fut
             self.posted[key] = req
             return fut
         got, data = early
         self.early_bytes -= len(data)
         self._space.set()
         if got != fp:
-            fut.set_exception(_mismatch(self.me, self.peer, fp, got))
+            fut.set_exception(mismatch_error(self.me, self.peer, fp, got))
         elif len(data) != len(dst):
             fut.set_exception(CollectiveMismatchError(
                 f"rank {self.peer} sent {len(data)} bytes for {fp.describe()} tag {tag}, rank {self.me} "
@@ -209,12 +222,14 @@ class Matcher:
         """The posted receive for an arriving frame; None when none is posted (keep it as early data);
         DROP when the frame must be read and thrown away: its receive disagrees (and has failed with
         CollectiveMismatchError), its collective was withdrawn, or the peer is already failed."""
+        if tag == NOTICE_TAG:
+            return self._notice(fp, nbytes)
         key = (fp.comm, fp.seq, tag)
         req = self.posted.pop(key, None)
         if req is None:
             return DROP if (fp.comm, fp.seq) in self.withdrawn or self.error is not None else None
         if req.fp != fp:
-            req.fut.set_exception(_mismatch(self.me, self.peer, req.fp, fp))
+            req.fut.set_exception(mismatch_error(self.me, self.peer, req.fp, fp))
             self.cancel(fp.comm, fp.seq, req.fut.exception())
             return DROP
         if nbytes != len(req.dst):
@@ -226,6 +241,22 @@ class Matcher:
             return DROP
         return req
 
+    def _notice(self, fp: Fingerprint, nbytes: int) -> RecvRequest | bool:
+        """A receive for a mismatch notice: read it whole, then hand it to the fabric."""
+        if nbytes > NOTICE_MAX_BYTES or self.on_notice is None:
+            return DROP
+        fut = asyncio.get_running_loop().create_future()
+        req = RecvRequest(fp, np.empty(nbytes, np.uint8), None, fut)
+        sink, peer = self.on_notice, self.peer
+        fut.add_done_callback(lambda f: sink(peer, fp, bytes(req.dst)) if not f.cancelled() and
+                              f.exception() is None else None)
+        return req
+
+    def cancel_comm(self, comm: int, exc: BaseException) -> None:
+        """Fail every receive posted for any collective of one communicator."""
+        for seq in {k[1] for k in self.posted if k[0] == comm}:
+            self.cancel(comm, seq, exc)
+
     def has_room(self, nbytes: int) -> bool:
         return self.early_bytes + nbytes <= self.cap or not self.early
 
@@ -235,8 +266,10 @@ class Matcher:
         # a receive already posted for the same collective but with another fingerprint is a mismatch
         for (comm, seq, _t), req in list(self.posted.items()):
             if comm == fp.comm and seq == fp.seq and req.fp != fp:
-                self.cancel(comm, seq, _mismatch(self.me, self.peer, req.fp, fp))
+                self.cancel(comm, seq, mismatch_error(self.me, self.peer, req.fp, fp))
                 break
+        if self.on_stash is not None:
+            self.on_stash(self.peer, fp)
 
     async def wait_room(self, nbytes: int, timeout: float) -> None:
         while not self.has_room(nbytes):
