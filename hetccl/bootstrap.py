@@ -27,7 +27,7 @@ import numpy as np
 
 from . import observe
 from .config import Identity, Settings
-from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError
+from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError, TransportError
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
@@ -136,7 +136,15 @@ class Fabric:
         records: dict[str, Any] = {}
         for cls_ in registry.selected(s.transports):
             t = cls_(ctx)
-            records[t.name] = await t.listen()
+            try:
+                records[t.name] = await t.listen()
+            except TransportError as exc:
+                with contextlib.suppress(Exception):
+                    await t.close()
+                if s.transports:  # asked for by name: its failure is the job's
+                    raise
+                log.warning("hetccl: rank %d skips transport %s: %s", rank, t.name, exc)
+                continue
             self.transports.append(t)
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")

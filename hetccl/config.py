@@ -47,6 +47,56 @@ def env_float(name: str, default: float, env: dict[str, str] | None = None) -> f
     return value
 
 
+def env_int(name: str, default: int, lo: int, hi: int, env: dict[str, str] | None = None) -> int:
+    """An integer variable in [lo, hi]; `default` when unset or empty."""
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={raw!r} must be between {lo} and {hi}")
+    return value
+
+
+def parse_ib_devices(text: str) -> list[tuple[str, int]]:
+    """HETCCL_IB_DEVICE: 'mlx5_0', 'mlx5_0:1', or a comma list ('rxe0,rxe1') from which each rank takes
+    entry local_rank % len (one NIC per local rank, as on multi-rail hosts). [] when unset."""
+    out = []
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        name, sep, port = item.partition(":")
+        if not name or any(c.isspace() or c == "/" for c in name):
+            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r} is not a device name; write e.g. mlx5_0 or "
+                              "mlx5_0:1 (see `ibv_devices`)")
+        try:
+            num = int(port) if sep else 1
+        except ValueError:
+            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r}: port {port!r} is not a number") from None
+        if not 1 <= num <= 255:
+            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r}: port must be 1..255")
+        out.append((name, num))
+    return out
+
+
+def parse_ib_gid_index(text: str | None) -> int | None:
+    """HETCCL_IB_GID_INDEX: the GID table index for RoCE (None = pick a RoCE v2 IPv4 GID automatically)."""
+    if text is None or str(text).strip() == "":
+        return None
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"HETCCL_IB_GID_INDEX={text!r} is not an integer; see `show_gids` or "
+                          "/sys/class/infiniband/<dev>/ports/1/gids") from None
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"HETCCL_IB_GID_INDEX={text!r} must be between 0 and 65535")
+    return value
+
+
 def parse_size(text: str) -> int:
     """'4K', '64M', '1G', '4096' -> bytes (powers of two, like nccl-tests)."""
     s = str(text).strip().upper().removesuffix("B").removesuffix("I")
@@ -137,6 +187,8 @@ class Settings:
     bind_addr: str | None = None
     max_frame_bytes: int = 1 << 20  # control-plane frames
     unexpected_bytes: int = 256 << 20  # per-peer buffer for data that arrives before its receive
+    ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
+    ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -156,4 +208,6 @@ class Settings:
             s.transports = [t.strip().lower() for t in env["HETCCL_TRANSPORTS"].split(",") if t.strip()]
         s.secret = env.get("HETCCL_SECRET", "").encode()
         s.bind_addr = env.get("HETCCL_BIND_ADDR") or None
+        s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
+        s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         return s

@@ -19,6 +19,7 @@ log = logging.getLogger("hetccl")
 BUILTIN = {
     "tcp": "hetccl.transports.tcp:TcpTransport",
     "shm": "hetccl.transports.shm:ShmTransport",
+    "verbs": "hetccl.transports.verbs:VerbsTransport",
 }
 
 
