@@ -218,17 +218,22 @@ class Fabric:
         from .transports.base import NOTICE_TAG
 
         self.poison(fp.comm, exc)
-        payload = np.frombuffer(msgpack.packb({"rank": self.rank, "text": str(exc)[:3000]}), np.uint8)
+        self.tell(peers, fp, NOTICE_TAG, msgpack.packb({"rank": self.rank, "text": str(exc)[:3000]}))
 
-        async def tell(ep: Any) -> None:
+    def tell(self, peers: list[int], fp: Any, tag: int, payload: bytes) -> None:
+        """Send a small control message (a tag of transports.base.CONTROL_TAGS) to job ranks `peers`, without
+        waiting; failures are ignored (a lost peer cannot be told anything)."""
+        data = np.frombuffer(payload, np.uint8)
+
+        async def send(ep: Any) -> None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(min(5.0, self.settings.timeout)):
-                    await ep.send(fp, NOTICE_TAG, payload)
+                    await ep.send(fp, tag, data)
 
         for p in peers:
             ep = self.endpoints.get(p)
             if ep is not None and p not in self.lost:
-                task = asyncio.ensure_future(tell(ep))
+                task = asyncio.ensure_future(send(ep))
                 self._notices.add(task)
                 task.add_done_callback(self._notices.discard)
 
@@ -249,8 +254,16 @@ class Fabric:
         self.report_mismatch(mine, exc, [g for g in comm._members if g != self.rank])
         return exc
 
-    def _notice(self, peer: int, fp: Any, payload: bytes) -> None:
+    def _notice(self, peer: int, fp: Any, payload: bytes, tag: int) -> None:
         import msgpack
+
+        from .transports.base import REPORT_TAG
+
+        if tag == REPORT_TAG:
+            from . import hangreport
+
+            hangreport.answer(self, peer, payload)
+            return
 
         try:
             msg = msgpack.unpackb(payload, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=4)

@@ -8,6 +8,7 @@ send/receive on communicator ranks, and `run_collective` owns sequencing, deadli
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -212,10 +213,20 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer)
                           for ep in comm._endpoints.values()
                           for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})
+        summary = ""
+        if fp.comm == comm.comm_id and os.environ.get("HETCCL_HANG_REPORT", "1") != "0":
+            from . import hangreport
+
+            try:  # what every rank was doing: logged, and written under HETCCL_DUMP_DIR
+                rep = await hangreport.gather(comm, fp, timeout)
+                summary = (f"; hang report: ranks behind {rep['behind']}, no answer from {rep['no_answer']}"
+                           + (f" (written to {rep['file']})" if "file" in rep else " (logged)"))
+            except Exception as err:  # noqa: BLE001 (the report is best effort; the timeout is what counts)
+                summary = f"; no hang report ({err!r})"
         exc = CollectiveTimeout(
             f"rank {comm.rank}: {fp.describe()} did not complete within {timeout:.0f} s (HETCCL_TIMEOUT)"
             + (f"; still waiting for data from rank(s) {waiting}" if waiting else "")
-            + "; a peer is stuck, dead, or issued a different collective")
+            + "; a peer is stuck, dead, or issued a different collective" + summary)
         _withdraw(comm, fp, exc)
         raise exc from None
     except CollectiveMismatchError as exc:

@@ -120,3 +120,17 @@ def test_abort_ends_collectives_in_flight() -> None:
     report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
     assert all(rc == 0 for rc, _, _ in results), report
     assert "abort ok" in results[0][1], report
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("blocked", [False, True])
+def test_hang_report_names_the_rank_behind(tmp_path, blocked: bool) -> None:
+    """A timeout gathers every rank's flight records: the rank that never started the collective is named
+    (behind, or silent when its event loop is blocked), in the error, the log and HETCCL_DUMP_DIR's JSON."""
+    procs = spawn_ranks(3, "workers:hang_report", env={"HETCCL_TIMEOUT": "3", "HETCCL_DUMP_DIR": str(tmp_path)},
+                        blocked=blocked)
+    results = finish(procs, 60)
+    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2500:]}" for r, (rc, out, err) in enumerate(results))
+    assert all(rc == 0 for rc, _, _ in results), report
+    assert sum("hang report ok" in out for _, out, _ in results) == 2, report
+    assert "hetccl hang report" in results[0][2], report  # logged on stderr without any logging set up

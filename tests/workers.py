@@ -440,3 +440,36 @@ async def abort_in_flight(comm: hetccl.Communicator) -> None:
         pass
     os.write(1, f"abort ok after {took * 1000:.1f} ms\n".encode())
     os._exit(0)
+
+
+async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
+    """Rank 2 stops after the first all_reduce (its event loop alive, or blocked): ranks 0 and 1 time out in the
+    second one, and the hang report they gather names rank 2 as behind (or as not answering), in the error
+    and in HETCCL_DUMP_DIR."""
+    import json
+    from pathlib import Path
+
+    await comm.all_reduce(np.ones(10, np.float32))
+    wait = float(os.environ["HETCCL_TIMEOUT"]) + 12  # beyond both reporters' timeout and report gathering
+    if comm.rank == 2:
+        if blocked:
+            time.sleep(wait)
+        else:
+            await asyncio.sleep(wait)
+        os._exit(0)
+    try:
+        await comm.all_reduce(np.ones(10, np.float32))
+        raise AssertionError("completed without rank 2")
+    except hetccl.CollectiveTimeout as exc:
+        text = str(exc)
+    want = "no answer from [2]" if blocked else "ranks behind [2]"
+    assert want in text, text
+    files = list(Path(os.environ["HETCCL_DUMP_DIR"]).glob(f"hang-*-rank{comm._fabric.rank}-*.json"))
+    assert len(files) == 1, files
+    rep = json.loads(files[0].read_text())
+    r2 = rep["ranks"][2]
+    assert (("host" not in r2) if blocked else r2["behind"]), rep
+    assert rep["ranks"][1 - comm.rank]["state"].startswith("inside #1"), rep
+    os.write(1, f"hang report ok rank {comm.rank}: {r2['state']}\n".encode())
+    await asyncio.sleep(6)  # the other reporter may still be gathering: leaving now would fail it
+    os._exit(0)

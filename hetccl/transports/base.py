@@ -132,6 +132,10 @@ DROP = False  # Matcher.take: read the frame and discard it
 # communicator (payload: msgpack {"rank": detector's comm rank, "text": its error}), so that ranks which never
 # exchange data with the odd one out also raise instead of waiting for their deadline.
 NOTICE_TAG = 0xFFFE << 48
+# Also not data: "send your flight records" (payload: msgpack {"key": store key to write them under}), sent
+# by a rank whose collective timed out, to build the hang report.
+REPORT_TAG = 0xFFFD << 48
+CONTROL_TAGS = (NOTICE_TAG, REPORT_TAG)
 NOTICE_MAX_BYTES = 4096
 
 
@@ -173,7 +177,7 @@ class Matcher:
         self._free: list[np.ndarray] = []  # recycled early-message buffers: no allocation per message
         self.withdrawn: deque[tuple[int, int]] = deque(maxlen=256)  # recently failed collectives
         # set by the fabric: called with (peer, fingerprint, payload bytes) for a mismatch notice
-        self.on_notice: Callable[[int, Fingerprint, bytes], None] | None = None
+        self.on_notice: Callable[[int, Fingerprint, bytes, int], None] | None = None
         # set by the fabric: called with (peer, fingerprint) when a frame is kept as early data
         self.on_stash: Callable[[int, Fingerprint], None] | None = None
         self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
@@ -223,8 +227,8 @@ class Matcher:
         """The posted receive for an arriving frame; None when none is posted (keep it as early data);
         DROP when the frame must be read and thrown away: its receive disagrees (and has failed with
         CollectiveMismatchError), its collective was withdrawn, or the peer is already failed."""
-        if tag == NOTICE_TAG:
-            return self._notice(fp, nbytes)
+        if tag in CONTROL_TAGS:
+            return self._notice(fp, tag, nbytes)
         if fp.comm in self.dead_comms:
             return DROP
         key = (fp.comm, fp.seq, tag)
@@ -248,14 +252,15 @@ class Matcher:
             return DROP
         return req
 
-    def _notice(self, fp: Fingerprint, nbytes: int) -> RecvRequest | bool:
-        """A receive for a mismatch notice: read it whole, then hand it to the fabric."""
+    def _notice(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | bool:
+        """A receive for a control message (mismatch notice, report request): read it whole, then hand it to
+        the fabric."""
         if nbytes > NOTICE_MAX_BYTES or self.on_notice is None:
             return DROP
         fut = asyncio.get_running_loop().create_future()
         req = RecvRequest(fp, np.empty(nbytes, np.uint8), None, fut)
         sink, peer = self.on_notice, self.peer
-        fut.add_done_callback(lambda f: sink(peer, fp, bytes(req.dst)) if not f.cancelled() and
+        fut.add_done_callback(lambda f: sink(peer, fp, bytes(req.dst), tag) if not f.cancelled() and
                               f.exception() is None else None)
         return req
 

@@ -37,7 +37,7 @@ from .. import native
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, TransportError
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
-from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
+from .base import CONTROL_TAGS, DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 
 log = logging.getLogger("hetccl")
 ffi, lib = native.ffi, native.lib
@@ -185,11 +185,21 @@ class ShmEndpoint(Endpoint):
             raise self.matcher.error
         item = [pack_data_header(fp, tag, len(src)), src, 0, None]
         if not self.sendq and self._push(item):
+            if tag in CONTROL_TAGS:
+                self._wake_peer()
             return
         item[3] = asyncio.get_running_loop().create_future()
         self.sendq.append(item)
         self.tr.kick()
         await item[3]
+        if tag in CONTROL_TAGS:
+            self._wake_peer()
+
+    def _wake_peer(self) -> None:
+        """Ring the doorbell whatever the peer's waiting flag: a control message (mismatch notice, report
+        request) must be read by a peer that is not receiving anything."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self.bell.send(b"\x02")
 
     def pump_sends(self) -> bool:
         progressed = False
@@ -384,6 +394,8 @@ class ShmTransport(Transport):
             exc = PeerLostError(f"rank {self.ctx.rank} lost rank {peer} (shared-memory peer exited)", peer)
             ep.fail(exc)
             self.ctx.on_peer_lost(peer, exc)
+        elif b"\x02" in data:
+            self.progress_in(peer)  # a control message for a rank that may be receiving nothing
         self._wake.set()
 
     def progress_in(self, peer: int) -> bool:

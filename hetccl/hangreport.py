@@ -1,0 +1,166 @@
+"""Hang report: when a collective times out, what every rank of its communicator was doing.
+
+The rank whose collective timed out asks every other rank of the communicator, over the data connections
+(a REPORT_TAG control message), to write its flight records (`flight.py`: recent collectives, what is in
+flight) into the rendezvous store under one key, writes its own, and reads them back for a bounded time
+(HETCCL_REPORT_WAIT, default 5 s). A rank whose event loop is alive answers even when it is not inside a
+collective; a dead rank, or one whose loop is blocked, does not, and the report says so. The report names
+the ranks that are behind (they have not started the collective that timed out) and what each one waits
+for. It is logged at ERROR on the "hetccl" logger, shown on stderr even without logging set up, and written as
+JSON under HETCCL_DUMP_DIR when that is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .transports.base import REPORT_TAG
+from .wire import Fingerprint
+
+if TYPE_CHECKING:
+    from .bootstrap import Fabric
+    from .communicator import Communicator
+
+log = logging.getLogger("hetccl")
+RECENT = 16  # records per communicator in a report
+
+
+def records_of(fab: Fabric) -> dict[str, Any]:
+    """This rank's answer: every live communicator's recent collectives and what is in flight."""
+    now = time.monotonic()
+    comms = {}
+    for cid, comm in list(fab.comms.items()):
+        if comm._closed and not comm._flight.inflight:
+            continue
+        waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer) for ep in comm._endpoints.values()
+                          for k in ep.matcher.posted if k[0] == cid})
+        comms[str(cid)] = {"rank": comm.rank, "size": comm.size, "next_seq": comm._seq,
+                           "inflight": sorted(comm._flight.inflight), "waiting_for": waiting,
+                           "recent": comm._flight.snapshot(now)[-RECENT:]}
+    return {"rank": fab.rank, "host": socket.gethostname(), "pid": os.getpid(), "comms": comms,
+            "lost": sorted(fab.lost)}
+
+
+def answer(fab: Fabric, peer: int, payload: bytes) -> None:
+    """A peer asked for our records (its collective timed out): write them where it said."""
+    import msgpack
+
+    try:
+        msg = msgpack.unpackb(payload, max_str_len=512, max_bin_len=0, max_array_len=0, max_map_len=2)
+        key = str(msg["key"])
+    except Exception:  # noqa: BLE001 (malformed control message: ignored, like any malformed frame)
+        log.warning("hetccl: rank %d ignored a malformed report request from rank %d", fab.rank, peer)
+        return
+    if not key.startswith(f"{fab.job}/hang/") or fab.store is None:
+        return
+
+    async def write() -> None:
+        try:
+            await fab.store.set(f"{key}/{fab.rank}", records_of(fab))
+        except Exception as exc:  # noqa: BLE001 (the report is best effort)
+            log.warning("hetccl: rank %d could not answer a report request: %r", fab.rank, exc)
+
+    task = asyncio.ensure_future(write())
+    fab._notices.add(task)
+    task.add_done_callback(fab._notices.discard)
+
+
+async def gather(comm: Communicator, fp: Fingerprint, waited: float) -> dict[str, Any]:
+    """Collect every rank's records for the timed-out collective fp (bounded), analyse them, log the report,
+    write HETCCL_DUMP_DIR/…json; returns the report."""
+    fab = comm._fabric
+    key = f"{fab.job}/hang/{fp.comm:x}/{fp.seq}/{secrets.token_hex(4)}"
+    others = [g for g in comm._members if g != fab.rank]
+    import msgpack
+
+    fab.tell(others, fp, REPORT_TAG, msgpack.packb({"key": key}))
+    answers: dict[int, Any] = {fab.rank: records_of(fab)}
+    wait = float(os.environ.get("HETCCL_REPORT_WAIT", "5"))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    if fab.store is not None and others:
+        # poll with short requests: the store client is one connection, and a blocking get would hold it
+        # while this rank's own answer to another reporter waits behind it
+        pending = set(others)
+        try:
+            while pending and loop.time() < deadline:
+                for g in sorted(pending):
+                    if await fab.store.check(f"{key}/{g}"):
+                        answers[g] = await fab.store.get(f"{key}/{g}", timeout=1.0)
+                        pending.discard(g)
+                if pending:
+                    await asyncio.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 (the store may be gone with rank 0: report what we have)
+            log.warning("hetccl: hang report incomplete: %r", exc)
+    report = analyse(comm, fp, waited, answers)
+    log.error("%s", format_report(report))
+    dump = os.environ.get("HETCCL_DUMP_DIR")
+    if dump:
+        try:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            path = Path(dump) / f"hang-{fab.job}-rank{fab.rank}-comm{fp.comm:x}-seq{fp.seq}.json"
+            path.write_text(json.dumps(report, indent=1))
+            report["file"] = str(path)
+        except OSError as exc:
+            log.warning("hetccl: could not write the hang report under %s: %s", dump, exc)
+    return report
+
+
+def analyse(comm: Communicator, fp: Fingerprint, waited: float, answers: dict[int, Any]) -> dict[str, Any]:
+    cid = str(fp.comm)
+    ranks = []
+    for r, g in enumerate(comm._members):
+        a = answers.get(g)
+        entry: dict[str, Any] = {"rank": r, "job_rank": g}
+        if a is None:
+            entry["state"] = "no answer: dead, or its event loop is blocked (stuck outside hetccl)"
+            ranks.append(entry)
+            continue
+        c = a["comms"].get(cid)
+        entry.update(host=a["host"], pid=a["pid"])
+        if c is None:
+            entry["state"] = "has not joined this communicator (or closed it)"
+        else:
+            started = c["next_seq"]  # sequence numbers this rank has issued: 0 .. next_seq-1
+            entry.update(inflight=c["inflight"], waiting_for=c["waiting_for"], recent=c["recent"])
+            last = next((x for x in reversed(c["recent"]) if x["state"] != "running"), None)
+            entry["last_done"] = last["what"] if last else None
+            running = [x for x in c["recent"] if x["state"] == "running"]
+            entry["running"] = [x["what"] for x in running]
+            entry["behind"] = started <= fp.seq
+            if entry["behind"]:
+                entry["state"] = (f"behind: has not started {fp.describe()} (next it would issue is #{started}"
+                                  f"{', is inside ' + ', '.join(entry['running']) if running else ''})")
+            elif fp.seq in c["inflight"]:
+                entry["state"] = (f"inside #{fp.seq}" + (f", waiting for data from ranks {c['waiting_for']}"
+                                                         if c["waiting_for"] else ""))
+            else:
+                entry["state"] = f"finished #{fp.seq}" + (f", now inside {', '.join(entry['running'])}"
+                                                          if running else "")
+        ranks.append(entry)
+    behind = [e["rank"] for e in ranks if e.get("behind")]
+    silent = [e["rank"] for e in ranks if "host" not in e]
+    return {"collective": fp.describe(), "communicator": f"{fp.comm:#x}", "reporter": comm.rank,
+            "waited_s": round(waited, 1), "behind": behind, "no_answer": silent, "ranks": ranks}
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    lines = [f"hetccl hang report: {rep['collective']} on communicator {rep['communicator']} timed out on rank "
+             f"{rep['reporter']} after {rep['waited_s']} s"]
+    if rep["behind"]:
+        lines.append(f"  ranks behind (never started it): {rep['behind']}")
+    if rep["no_answer"]:
+        lines.append(f"  ranks that did not answer: {rep['no_answer']}")
+    for e in rep["ranks"]:
+        where = f"{e['host']}:{e['pid']}" if "host" in e else "?"
+        done = f"; last done: {e['last_done']}" if e.get("last_done") else ""
+        lines.append(f"  rank {e['rank']} ({where}): {e['state']}{done}")
+    return "\n".join(lines)
