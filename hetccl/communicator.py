@@ -343,6 +343,7 @@ class Communicator:
         child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
         child = Communicator(self._fabric, child_id if child_id > 1 else child_id + 2, global_members)
         self._children.append(child)
+        child._parent = self
         if _layout and child._islands > 1:  # collective among the child's members, right at its creation
             from .gpu import dispatch
 
@@ -364,9 +365,13 @@ class Communicator:
             with contextlib.suppress(HetcclError):  # device work still queued ends before the connections do
                 await dispatch.synchronize(self)
         self._closed = True
+        if self._parent is not None:  # a closed child is dropped: split+close in a loop must not grow
+            with contextlib.suppress(ValueError):
+                self._parent._children.remove(self)
         if self._fabric_owner:
             for c in self._children:
                 c._closed = True
             await self._fabric.close()
 
     _fabric_owner = False
+    _parent: Communicator | None = None
