@@ -57,3 +57,77 @@ async def loop_until_error(comm: hetccl.Communicator, count: int = 4 << 20, stuc
         await _close_and_exit(comm, 0)
     emit("no_error", iteration=i)
     os._exit(5)
+
+
+SOAK_COUNTS = [0, 1, 7, 1000, 4099, 65_537, 300_000]
+
+
+async def soak(comm: hetccl.Communicator, duration_s: float, seed: int = 0) -> None:
+    """Mixed, checked collectives until rank 0 says stop (after duration_s): every collective x dtype x op
+    at a size drawn per round (tests/workers.py:matrix), split sub-communicators created, used and closed,
+    point-to-point, many collectives in flight at once. The same seed on every rank: the same rounds."""
+    import random
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import workers
+
+    rng = random.Random(seed)
+    r, n = comm.rank, comm.size
+    flag = np.zeros(1, np.int32)
+    t0 = asyncio.get_running_loop().time()
+    rounds = 0
+    emit("ready", **_ports(comm))
+    while True:
+        flag[0] = int(asyncio.get_running_loop().time() - t0 < duration_s) if r == 0 else 0
+        await comm.broadcast(flag, root=0)
+        if not flag[0]:
+            break
+        dtype = workers.DTYPES[rounds % len(workers.DTYPES)]
+        await workers.matrix(comm, [rng.choice(SOAK_COUNTS)], [dtype])
+        sub = await comm.split(rng.randrange(2) if n > 2 else 0, key=-r)
+        buf = np.full(1 + rng.randrange(100_000), r + 1, np.float64)
+        await sub.all_reduce(buf)
+        await sub.close()
+        await workers.p2p(comm)
+        await workers.concurrent(comm, k=4)
+        rounds += 1
+        if rounds % 20 == 0:
+            emit("progress", rounds=rounds)
+    emit("done", rounds=rounds)
+    await _close_and_exit(comm, 0)
+
+
+async def busy_until_stopped(comm: hetccl.Communicator, stopfile: str, count: int = 1 << 18) -> None:
+    """Checked all_reduces and all_gathers plus store round trips until `stopfile` exists (rank 0 decides,
+    a broadcast tells the others), while something else attacks the job's ports. Reports iterations and,
+    on rank 0, the listeners' `refused` counters."""
+    n, r = comm.size, comm.rank
+    fab = comm._fabric
+    flag = np.zeros(1, np.int32)
+    buf = np.empty(count, np.float32)
+    out = np.empty(n * 1000, np.int64)
+    i = 0
+    emit("ready", **_ports(comm))
+    while True:
+        flag[0] = int(not os.path.exists(stopfile)) if r == 0 else 0
+        await comm.broadcast(flag, root=0)
+        if not flag[0]:
+            break
+        buf.fill(r + 1 + i % 3)
+        await comm.all_reduce(buf)
+        want = sum(p + 1 + i % 3 for p in range(n))
+        await comm.all_gather(out, np.full(1000, r * 7 + i, np.int64))
+        if buf[0] != want or buf[-1] != want or any(out[p * 1000] != p * 7 + i for p in range(n)):
+            emit("wrong", iteration=i)
+            os._exit(9)
+        if i % 10 == 0:  # the store still serves the job
+            await fab.store.set(f"{fab.job}/busy/{r}", i)
+            assert await fab.store.get(f"{fab.job}/busy/{r}", 5.0) == i
+        i += 1
+        if i % 50 == 0:
+            emit("progress", iterations=i)
+    refused = {"store": fab.server.refused if fab.server else None,
+               **{t.name: getattr(t, "refused", None) for t in fab.transports}}
+    emit("done", iterations=i, refused=refused)
+    await _close_and_exit(comm, 0)
