@@ -73,3 +73,31 @@ def test_no_module_imports_or_uses_pickle() -> None:
     found = [hit for f in files for hit in pickle_uses(f.read_text(encoding="utf-8"), str(f.relative_to(PKG.parent)))]
     assert found == [], "\n".join(found)
 
+
+
+async def test_store_add_out_of_64_bit_range_is_refused_not_a_dropped_connection() -> None:
+    """Found by benchmarks/fuzz_control.py: an `add` past 2**64 made the store fail to encode its reply and
+    drop the connection (a rank would see "lost the rendezvous store"). Now it is an error reply, the key
+    keeps its value and the connection keeps serving."""
+    import hetccl
+    from hetccl.store import StoreClient, StoreServer
+
+    server = StoreServer("127.0.0.1", 0, b"secret")
+    port = await server.start()
+    client = StoreClient("127.0.0.1", port, b"secret", 5.0)
+    try:
+        await client.connect()
+        assert await client.add("n", 2**62) == 2**62
+        assert await client.add("n", 2**62 - 1) == 2**63 - 1
+        for delta in (1, 2**62):
+            try:
+                await client.add("n", delta)
+            except hetccl.HetcclError as exc:
+                assert "64-bit" in str(exc), exc
+            else:
+                raise AssertionError("an add past 2**63 - 1 was accepted")
+        assert await client.add("m", -(2**63)) == -(2**63)
+        assert await client.get("n") == 2**63 - 1
+    finally:
+        client.close()
+        await server.close()
