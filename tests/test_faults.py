@@ -106,14 +106,10 @@ def test_netem_mild_loss_collectives_complete_correctly(hosts) -> None:
         assert f"rank {rk.rank} lossy ok" in rk.stdout(), hosts.report(ranks)
 
 
-@pytest.mark.netns
-@pytest.mark.timeout(180)
-def test_netem_total_loss_ends_every_rank_with_an_error(hosts) -> None:
-    """100 % loss in the middle of large all_reduces (the link stays up: no carrier loss, no RST, packets
-    just vanish) with HETCCL_TIMEOUT=8: every rank ends with CollectiveTimeout or PeerLostError within the
-    deadline, no hang."""
+def _total_loss_case(hosts, inject) -> dict[int, float]:
+    """Start 4 ranks looping on large all_reduces with HETCCL_TIMEOUT=8, call inject() in the middle, and
+    require every rank to end with CollectiveTimeout or PeerLostError within the deadline + 5 s."""
     timeout = 8.0
-    _netem(hosts, "0%")
     ranks = hosts.start_ranks("test_multihost:mh_until_error", 2, env={"HETCCL_TIMEOUT": str(timeout)})
     deadline = time.monotonic() + 60
     while "started" not in ranks[0].stdout():
@@ -122,16 +118,41 @@ def test_netem_total_loss_ends_every_rank_with_an_error(hosts) -> None:
             raise AssertionError("ranks did not start their all_reduce loop\n" + hosts.report(ranks))
         time.sleep(0.05)
     time.sleep(0.5)
-    _netem(hosts, "100%", verb="change")
+    inject()
     t_loss = time.monotonic()
-    hosts.check_all_ok(ranks, 60, "after 100% loss")
-    errors = {}
+    hosts.check_all_ok(ranks, 60, "after total packet loss")
+    errors, kinds = {}, {}
     for rk in ranks:
         m = re.search(r"error (\w+) at ([\d.]+) ", rk.stdout())
         assert m and m.group(1) in ("CollectiveTimeout", "PeerLostError"), hosts.report(ranks)
         errors[rk.rank] = round(float(m.group(2)) - t_loss, 1)
-    print(f"100% loss -> error after (s): {errors}")
+        kinds[rk.rank] = m.group(1)
+    print(f"total loss -> error after (s): {errors}, {kinds}")
     assert max(errors.values()) < timeout + 5, f"{errors}\n" + hosts.report(ranks)
+    return errors
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+def test_netem_total_loss_ends_every_rank_with_an_error(hosts) -> None:
+    """100 % netem loss in the middle of large all_reduces (the link stays up: no carrier loss, no RST,
+    packets just vanish): every rank ends with a hetccl error within the deadline, no hang."""
+    _netem(hosts, "0%")
+    _total_loss_case(hosts, lambda: _netem(hosts, "100%", verb="change"))
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+def test_blackhole_route_total_loss_ends_every_rank_with_an_error(hosts) -> None:
+    """The same without netem (which this sandbox's kernel lacks): blackhole routes to the other host added
+    in both namespaces in the middle of large all_reduces. The link stays up and every packet across is
+    silently discarded by the sender's kernel; every rank ends with a hetccl error within the deadline."""
+
+    def blackhole() -> None:
+        for i in (0, 1):
+            hosts.exec(i, "ip", "route", "add", "blackhole", f"{hosts.addr[1 - i]}/32")
+
+    _total_loss_case(hosts, blackhole)
 
 
 async def lossy_all_reduces(comm: hetccl.Communicator, count: int, iters: int) -> None:
