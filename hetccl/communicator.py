@@ -352,6 +352,7 @@ class Communicator:
         global_members = [self._members[r] for _, r in members]
         child = Communicator(self._fabric, _derived_id(self.comm_id, f"{self._splits}/{color}"), global_members)
         self._children.append(child)
+        child._parent = self
         if _layout and child._islands > 1:  # collective among the child's members, right at its creation
             from .gpu import dispatch
 
@@ -441,9 +442,13 @@ class Communicator:
             with contextlib.suppress(HetcclError):  # device work still queued ends before the connections do
                 await dispatch.synchronize(self)
         self._closed = True
+        if self._parent is not None:  # a closed child is dropped: split+close in a loop must not grow
+            with contextlib.suppress(ValueError):
+                self._parent._children.remove(self)
         if self._fabric_owner:
             for c in self._children:
                 c._closed = True
             await self._fabric.close()
 
     _fabric_owner = False
+    _parent: Communicator | None = None

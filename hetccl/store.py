@@ -121,6 +121,8 @@ class StoreServer:
             cur = self.data.get(key, 0)
             if not isinstance(cur, int):
                 return {"err": f"key {key!r} does not hold an integer"}
+            if not -(1 << 63) <= cur + delta < 1 << 63:  # msgpack could not send it back: refuse, keep the key
+                return {"err": f"add on {key!r} would leave the 64-bit range"}
             self.data[key] = cur + delta
             self._event(key).set()
             return {"value": cur + delta}
