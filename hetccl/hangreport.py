@@ -3,11 +3,11 @@
 The rank whose collective timed out asks every other rank of the communicator, over the data connections
 (a REPORT_TAG control message), to write its flight records (`flight.py`: recent collectives, what is in
 flight) into the rendezvous store under one key, writes its own, and reads them back for a bounded time
-(HETCCL_REPORT_WAIT, default 5 s). A rank whose event loop is alive answers even when it is not inside a
-collective; a dead rank, or one whose loop is blocked, does not, and the report says so. The report names
-the ranks that are behind (they have not started the collective that timed out) and what each one waits
-for. It is logged at ERROR on the "hetccl" logger, shown on stderr even without logging set up, and written as
-JSON under HETCCL_DUMP_DIR when that is set.
+(HETCCL_REPORT_WAIT, default 5 s, at most a quarter of HETCCL_TIMEOUT and at least 1 s). A rank whose event
+loop is alive answers even when it is not inside a collective; a dead rank, or one whose loop is blocked,
+does not, and the report says so. The report names the ranks that are behind (they have not started the
+collective that timed out) and what each one waits for. It is logged at ERROR on the "hetccl" logger, shown
+on stderr even without logging set up, and written as JSON under HETCCL_DUMP_DIR when that is set.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ async def gather(comm: Communicator, fp: Fingerprint, waited: float) -> dict[str
 
     fab.tell(others, fp, REPORT_TAG, msgpack.packb({"key": key}))
     answers: dict[int, Any] = {fab.rank: records_of(fab)}
-    wait = float(os.environ.get("HETCCL_REPORT_WAIT", "5"))
+    # bounded: the report must not hold the error back for long (at most a quarter of the deadline)
+    wait = min(float(os.environ.get("HETCCL_REPORT_WAIT", "5")), max(1.0, comm._settings.timeout / 4))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     if fab.store is not None and others:
@@ -91,15 +92,17 @@ async def gather(comm: Communicator, fp: Fingerprint, waited: float) -> dict[str
         # while this rank's own answer to another reporter waits behind it
         pending = set(others)
         try:
-            while pending and loop.time() < deadline:
-                for g in sorted(pending):
-                    if await fab.store.check(f"{key}/{g}"):
-                        answers[g] = await fab.store.get(f"{key}/{g}", timeout=1.0)
-                        pending.discard(g)
-                if pending:
-                    await asyncio.sleep(0.05)
+            async with asyncio.timeout(wait + 0.2):  # an unreachable store must not stretch it either
+                while pending and loop.time() < deadline:
+                    for g in sorted(pending):
+                        if await fab.store.check(f"{key}/{g}"):
+                            answers[g] = await fab.store.get(f"{key}/{g}", timeout=1.0)
+                            pending.discard(g)
+                    if pending:
+                        await asyncio.sleep(0.05)
         except Exception as exc:  # noqa: BLE001 (the store may be gone with rank 0: report what we have)
-            log.warning("hetccl: hang report incomplete: %r", exc)
+            if not isinstance(exc, TimeoutError):
+                log.warning("hetccl: hang report incomplete: %r", exc)
     report = analyse(comm, fp, waited, answers)
     log.error("%s", format_report(report))
     dump = os.environ.get("HETCCL_DUMP_DIR")

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
+from ..auth import client_handshake
+from ..errors import CollectiveTimeout, HetcclError, PeerLostError
 from ..netio import recv_into_exact, send_all, tune_socket
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
+from .listener import PeerListener
 
 log = logging.getLogger("hetccl")
 
@@ -149,59 +150,15 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._incoming: dict[int, asyncio.Future] = {}
+        self._listener = PeerListener(ctx, "data", "tcp")
         self._endpoints: list[TcpEndpoint] = []
-        self._handshakes: set[asyncio.Task] = set()
-        self.refused = 0
 
     async def listen(self) -> dict[str, Any]:
-        host = self.ctx.bind_host
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(1024)
-        sock.setblocking(False)
-        self._listener = sock
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-        return {"host": host, "port": sock.getsockname()[1]}
+        return {"host": self.ctx.bind_host, "port": self._listener.start()}
 
-    def _incoming_future(self, peer: int) -> asyncio.Future:
-        fut = self._incoming.get(peer)
-        if fut is None:
-            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
-        return fut
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        while True:
-            try:
-                conn, addr = await loop.sock_accept(self._listener)
-            except (OSError, asyncio.CancelledError):
-                return
-            tune_socket(conn)
-            t = loop.create_task(self._accept_one(loop, conn, addr))
-            self._handshakes.add(t)
-            t.add_done_callback(self._handshakes.discard)
-
-    async def _accept_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
-        ctx = self.ctx
-        try:
-            meta = await server_handshake(loop, conn, ctx.secret, "data", min(30.0, ctx.settings.timeout))
-            peer = meta.get("rank")
-            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
-                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
-            fut = self._incoming_future(peer)
-            if fut.done():
-                raise AuthenticationError(f"second connection claiming rank {peer}")
-            fut.set_result(conn)
-        except (AuthenticationError, HetcclError, OSError) as exc:
-            self.refused += 1
-            log.warning("hetccl tcp: rank %d refused a data connection from %s: %s", ctx.rank, addr, exc)
-            conn.close()
+    @property
+    def refused(self) -> int:
+        return self._listener.refused
 
     def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
         return "port" in peer_record
@@ -235,7 +192,7 @@ class TcpTransport(Transport):
                 sock = await self._dial(peer, record)
             else:
                 try:
-                    sock = await asyncio.wait_for(asyncio.shield(self._incoming_future(peer)),
+                    sock = await asyncio.wait_for(asyncio.shield(self._listener.incoming(peer)),
                                                   self.ctx.settings.timeout)
                 except TimeoutError:
                     raise CollectiveTimeout(f"rank {me}: rank {peer} never connected (TCP) within "
@@ -248,12 +205,7 @@ class TcpTransport(Transport):
         return dict(pairs)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for t in [self._accept_task, *self._handshakes]:
-            if t is not None:
-                t.cancel()
+        self._listener.close()
         for ep in self._endpoints:
             await ep.close()
         self._endpoints.clear()

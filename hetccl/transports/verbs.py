@@ -59,10 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from ..auth import client_handshake, server_handshake
+from ..auth import client_handshake
 from ..config import env_int, parse_ib_devices, parse_size
 from ..errors import (
-    AuthenticationError,
     CollectiveTimeout,
     ConfigError,
     HetcclError,
@@ -73,6 +72,7 @@ from ..errors import (
 from ..netio import read_control, tune_socket, write_control
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
+from .listener import PeerListener
 
 log = logging.getLogger("hetccl")
 
@@ -925,13 +925,9 @@ class VerbsTransport(Transport):
         self.channel_fd = -1
         self.regcache: RegCache | None = None
         self.by_qpn: dict[int, VerbsEndpoint] = {}
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._incoming: dict[int, asyncio.Future] = {}
-        self._handshakes: set[asyncio.Task] = set()
+        self._listener = PeerListener(ctx, "verbs", "verbs")
         self._endpoints: list[VerbsEndpoint] = []
         self._gpu_warned = False
-        self.refused = 0
 
     # ------------------------------------------------------------------------------------- listening
 
@@ -952,51 +948,14 @@ class VerbsTransport(Transport):
                                  f"{exc}") from None
         self.regcache = RegCache(self.dev.pd)
         host = self.ctx.bind_host
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(1024)
-        sock.setblocking(False)
-        self._listener = sock
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        port = self._listener.start()
         log.debug("hetccl verbs: rank %d uses %s port %d (%s) gid[%d]=%s", self.ctx.rank, self.dev.name,
                   self.dev.port, self.dev.link, self.dev.gid_index, self.dev.gid)
-        return {"host": host, "port": sock.getsockname()[1], "link": self.dev.link, "dev": self.dev.name}
+        return {"host": host, "port": port, "link": self.dev.link, "dev": self.dev.name}
 
-    def _incoming_future(self, peer: int) -> asyncio.Future:
-        fut = self._incoming.get(peer)
-        if fut is None:
-            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
-        return fut
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listener is not None
-        while True:
-            try:
-                conn, addr = await loop.sock_accept(self._listener)
-            except (OSError, asyncio.CancelledError):
-                return
-            tune_socket(conn)
-            task = loop.create_task(self._accept_one(loop, conn, addr))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
-
-    async def _accept_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
-        ctx = self.ctx
-        try:
-            meta = await server_handshake(loop, conn, ctx.secret, "verbs", min(30.0, ctx.settings.timeout))
-            peer = meta.get("rank")
-            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
-                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
-            fut = self._incoming_future(peer)
-            if fut.done():
-                raise AuthenticationError(f"second connection claiming rank {peer}")
-            fut.set_result(conn)
-        except (AuthenticationError, HetcclError, OSError) as exc:
-            self.refused += 1
-            log.warning("hetccl verbs: rank %d refused a connection from %s: %s", ctx.rank, addr, exc)
-            conn.close()
+    @property
+    def refused(self) -> int:
+        return self._listener.refused
 
     def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
         return "port" in peer_record and self.dev is not None and peer_record.get("link") == self.dev.link
@@ -1087,7 +1046,7 @@ class VerbsTransport(Transport):
                 sock = await self._dial(peer, record)
             else:
                 try:
-                    sock = await asyncio.wait_for(asyncio.shield(self._incoming_future(peer)), timeout)
+                    sock = await asyncio.wait_for(asyncio.shield(self._listener.incoming(peer)), timeout)
                 except TimeoutError:
                     raise CollectiveTimeout(f"rank {me}: rank {peer} never connected (verbs) within "
                                             f"{timeout:.0f} s") from None
@@ -1143,12 +1102,7 @@ class VerbsTransport(Transport):
     # ---------------------------------------------------------------------------------------- close
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for task in [self._accept_task, *self._handshakes]:
-            if task is not None:
-                task.cancel()
+        self._listener.close()
         for ep in self._endpoints:
             await ep.close()
         self._endpoints.clear()

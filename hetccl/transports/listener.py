@@ -1,0 +1,87 @@
+"""The authenticated listener that connection-oriented transports share (TCP data, verbs set-up).
+
+It binds to the chosen address, accepts, runs the server side of the HMAC handshake (`auth.py`) with a
+deadline, checks that the connection belongs to this job and claims a valid rank not already connected, and
+hands the socket to whoever awaits `incoming(rank)`. Anything else is refused, counted in `refused` and logged;
+the job goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from ..auth import server_handshake
+from ..errors import AuthenticationError, HetcclError
+from ..netio import tune_socket
+from .base import TransportContext
+
+log = logging.getLogger("hetccl")
+
+
+class PeerListener:
+    def __init__(self, ctx: TransportContext, purpose: str, label: str):
+        self.ctx, self.purpose, self.label = ctx, purpose, label  # purpose: the handshake's; label: for logs
+        self.refused = 0
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._incoming: dict[int, asyncio.Future] = {}
+        self._handshakes: set[asyncio.Task] = set()
+
+    def start(self) -> int:
+        """Bind to the transport context's address, start accepting; returns the port."""
+        host = self.ctx.bind_host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+        sock.setblocking(False)
+        self._sock = sock
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        return sock.getsockname()[1]
+
+    def incoming(self, peer: int) -> asyncio.Future:
+        """The future of peer's authenticated connection (a socket)."""
+        fut = self._incoming.get(peer)
+        if fut is None:
+            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except (OSError, asyncio.CancelledError):
+                return
+            tune_socket(conn)
+            task = loop.create_task(self._accept_one(loop, conn, addr))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _accept_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
+        ctx = self.ctx
+        try:
+            meta = await server_handshake(loop, conn, ctx.secret, self.purpose, min(30.0, ctx.settings.timeout))
+            peer = meta.get("rank")
+            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
+                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
+            fut = self.incoming(peer)
+            if fut.done():
+                raise AuthenticationError(f"second connection claiming rank {peer}")
+            fut.set_result(conn)
+        except (AuthenticationError, HetcclError, OSError) as exc:
+            self.refused += 1
+            log.warning("hetccl %s: rank %d refused a connection from %s: %s", self.label, ctx.rank, addr, exc)
+            conn.close()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for task in [self._accept_task, *self._handshakes]:
+            if task is not None:
+                task.cancel()
