@@ -208,6 +208,10 @@ class Settings:
             s.transports = [t.strip().lower() for t in env["HETCCL_TRANSPORTS"].split(",") if t.strip()]
         s.secret = env.get("HETCCL_SECRET", "").encode()
         s.bind_addr = env.get("HETCCL_BIND_ADDR") or None
+        if not s.bind_addr and env.get("HETCCL_SOCKET_IFNAME"):  # like NCCL_SOCKET_IFNAME: an interface name
+            from .netio import interface_addr
+
+            s.bind_addr = interface_addr(env["HETCCL_SOCKET_IFNAME"].strip())
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         return s

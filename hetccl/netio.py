@@ -83,3 +83,23 @@ def route_source_addr(dest_host: str, dest_port: int) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1" if family == socket.AF_INET else "::1"
+
+
+def interface_addr(name: str) -> str:
+    """The IPv4 address of network interface `name` (Linux: SIOCGIFADDR); ConfigError if it has none."""
+    import fcntl
+    import struct
+
+    from .errors import ConfigError
+
+    known = [n for _, n in socket.if_nameindex()]
+    if name not in known:
+        raise ConfigError(f"HETCCL_SOCKET_IFNAME={name!r}: no such network interface (this host has "
+                          f"{', '.join(known)})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError as exc:
+            raise ConfigError(f"HETCCL_SOCKET_IFNAME={name!r}: the interface has no IPv4 address ({exc}); "
+                              "give an address with HETCCL_BIND_ADDR instead") from None
+    return socket.inet_ntoa(packed[20:24])

@@ -621,3 +621,12 @@ def test_choose_override_wins(op: str) -> None:
     # an override for another op does not apply
     other = next(o for o in CHOOSABLE if o != op)
     assert choose(op, 1 << 30, 8, "tcp", parse_override(f"{other}=latency")) == choose(op, 1 << 30, 8, "tcp", {})
+
+
+def test_socket_ifname_picks_the_interface_address() -> None:
+    from hetccl.config import Settings
+
+    assert Settings.from_env({"HETCCL_SOCKET_IFNAME": "lo"}).bind_addr == "127.0.0.1"
+    assert Settings.from_env({"HETCCL_SOCKET_IFNAME": "lo", "HETCCL_BIND_ADDR": "10.1.2.3"}).bind_addr == "10.1.2.3"
+    with pytest.raises(ConfigError, match="no such network interface"):
+        Settings.from_env({"HETCCL_SOCKET_IFNAME": "nosuch0"})

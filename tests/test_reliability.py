@@ -134,3 +134,9 @@ def test_hang_report_names_the_rank_behind(tmp_path, blocked: bool) -> None:
     assert all(rc == 0 for rc, _, _ in results), report
     assert sum("hang report ok" in out for _, out, _ in results) == 2, report
     assert "hetccl hang report" in results[0][2], report  # logged on stderr without any logging set up
+
+
+@pytest.mark.timeout(60)
+def test_listeners_bind_to_the_chosen_interface() -> None:
+    proc = run_ranks(2, "workers:bound_to_interface", env={"HETCCL_SOCKET_IFNAME": "lo", "HETCCL_TRANSPORTS": "tcp"})
+    assert proc.stdout.count("bound ok 127.0.0.1") == 2, proc.stdout

@@ -473,3 +473,14 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
     os.write(1, f"hang report ok rank {comm.rank}: {r2['state']}\n".encode())
     await asyncio.sleep(6)  # the other reporter may still be gathering: leaving now would fail it
     os._exit(0)
+
+
+async def bound_to_interface(comm: hetccl.Communicator) -> None:
+    """HETCCL_SOCKET_IFNAME=lo: the data listener is bound to lo's address, not to every interface."""
+    tcp = next(t for t in comm._fabric.transports if t.name == "tcp")
+    addr = tcp._listener._sock.getsockname()[0]
+    assert addr == "127.0.0.1", addr
+    x = np.ones(10, np.float32)
+    await comm.all_reduce(x)
+    check(x, np.full(10, comm.size, np.float32), "all_reduce over the chosen interface")
+    os.write(1, f"bound ok {addr}\n".encode())
