@@ -179,6 +179,22 @@ class Fabric:
             ep.matcher.on_stash = self._stashed
         await observe.on_init(self, bind)
 
+    async def _goodbye(self) -> None:
+        """Closing after a loss: tell the peers still connected which ranks died first (bounded, best effort)."""
+        import msgpack
+
+        from .transports.base import GOODBYE_TAG
+        from .wire import CollOp, Fingerprint
+
+        alive = [p for p in self.endpoints if p not in self.lost]
+        self.heal(alive)  # the loss failed every endpoint; these connections still work for one last frame
+        fp = Fingerprint(0, 0, CollOp.BARRIER, 255, 0)  # any valid header: control frames are not matched
+        self.tell(alive, fp, GOODBYE_TAG, msgpack.packb({"lost": sorted(self.lost)}))
+        pending = list(self._notices)
+        if pending:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(pending, timeout=0.5)
+
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
             return
@@ -257,12 +273,22 @@ class Fabric:
     def _notice(self, peer: int, fp: Any, payload: bytes, tag: int) -> None:
         import msgpack
 
-        from .transports.base import REPORT_TAG
+        from .transports.base import GOODBYE_TAG, REPORT_TAG
 
         if tag == REPORT_TAG:
             from . import hangreport
 
             hangreport.answer(self, peer, payload)
+            return
+        if tag == GOODBYE_TAG:  # peer leaves because these ranks died: they are what pending work lost
+            try:
+                lost = [int(r) for r in msgpack.unpackb(payload, max_array_len=65536, max_map_len=1)["lost"]]
+            except Exception:  # noqa: BLE001 (malformed: ignored)
+                return
+            for r in lost:
+                if 0 <= r < self.size and r != self.rank and r not in self.lost:
+                    self._peer_lost(r, PeerLostError(f"rank {self.rank} lost rank {r} (reported by rank {peer}, "
+                                                     "which is closing because of it)", r))
             return
 
         try:
@@ -285,6 +311,8 @@ class Fabric:
         if self.closed:
             return
         self.closed = True
+        if self.lost and self.size > 1:
+            await self._goodbye()
         if graceful and self.store is not None and self.size > 1:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with
             # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier

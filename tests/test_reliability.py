@@ -127,7 +127,7 @@ def test_abort_ends_collectives_in_flight() -> None:
 def test_hang_report_names_the_rank_behind(tmp_path, blocked: bool) -> None:
     """A timeout gathers every rank's flight records: the rank that never started the collective is named
     (behind, or silent when its event loop is blocked), in the error, the log and HETCCL_DUMP_DIR's JSON."""
-    procs = spawn_ranks(3, "workers:hang_report", env={"HETCCL_TIMEOUT": "6", "HETCCL_DUMP_DIR": str(tmp_path)},
+    procs = spawn_ranks(3, "workers:hang_report", env={"HETCCL_TIMEOUT": "10", "HETCCL_DUMP_DIR": str(tmp_path)},
                         blocked=blocked)
     results = finish(procs, 60)
     report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2500:]}" for r, (rc, out, err) in enumerate(results))

@@ -135,7 +135,11 @@ NOTICE_TAG = 0xFFFE << 48
 # Also not data: "send your flight records" (payload: msgpack {"key": store key to write them under}), sent
 # by a rank whose collective timed out, to build the hang report.
 REPORT_TAG = 0xFFFD << 48
-CONTROL_TAGS = (NOTICE_TAG, REPORT_TAG)
+# Also not data: "I am closing after losing these ranks" (payload: msgpack {"lost": [job ranks]}), sent by a
+# survivor before it closes its connections, so that other survivors name the rank that died, not the one
+# that left after it.
+GOODBYE_TAG = 0xFFFC << 48
+CONTROL_TAGS = (NOTICE_TAG, REPORT_TAG, GOODBYE_TAG)
 NOTICE_MAX_BYTES = 4096
 
 
