@@ -414,7 +414,11 @@ async def shrink_after_loss(comm: hetccl.Communicator, victim: int) -> None:
     except hetccl.CommAbortedError:
         pass
     os.write(1, f"shrink ok: rank {comm.rank} -> {new.rank}/{new.size}\n".encode())
-    os._exit(0)  # rank 0's store may be gone: no closing barrier
+    # a survivor that exits while another still finishes the last collective would fail it: close (the
+    # closing barrier is bounded when ranks are lost, even with rank 0's store gone)
+    await new.barrier()
+    await comm.close()
+    os._exit(0)
 
 
 async def abort_in_flight(comm: hetccl.Communicator) -> None:
