@@ -1,4 +1,4 @@
-"""The authenticated listener that connection-oriented transports share (TCP data, verbs set-up).
+"""The authenticated listener, and the dialer, that connection-oriented transports share (TCP data, verbs set-up).
 
 It binds to the chosen address, accepts, runs the server side of the HMAC handshake (`auth.py`) with a
 deadline, checks that the connection belongs to this job and claims a valid rank not already connected, and
@@ -13,8 +13,8 @@ import logging
 import socket
 from typing import Any
 
-from ..auth import server_handshake
-from ..errors import AuthenticationError, HetcclError
+from ..auth import client_handshake, server_handshake
+from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
 from ..netio import tune_socket
 from .base import TransportContext
 
@@ -85,3 +85,27 @@ class PeerListener:
         for task in [self._accept_task, *self._handshakes]:
             if task is not None:
                 task.cancel()
+
+
+async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str
+               ) -> socket.socket:
+    """Connect to peer's PeerListener at record["host"]:record["port"] and run the client side of the
+    handshake; CollectiveTimeout or PeerLostError naming the peer when that fails."""
+    loop = asyncio.get_running_loop()
+    host, port = record["host"], record["port"]
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ctx.settings.timeout)
+        tune_socket(sock)
+        await client_handshake(loop, sock, ctx.secret, purpose, {"rank": ctx.rank, "job": ctx.job},
+                               min(30.0, ctx.settings.timeout))
+    except TimeoutError:
+        sock.close()
+        raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {host}:{port} ({label}) timed "
+                                "out") from None
+    except (OSError, PeerLostError) as exc:
+        sock.close()
+        raise PeerLostError(f"rank {ctx.rank}: cannot connect to rank {peer} at {host}:{port} ({label}): {exc}",
+                            peer) from None
+    return sock

@@ -15,12 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..auth import client_handshake
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
-from ..netio import recv_into_exact, send_all, tune_socket
+from ..netio import recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
-from .listener import PeerListener
+from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 
@@ -164,25 +163,7 @@ class TcpTransport(Transport):
         return "port" in peer_record
 
     async def _dial(self, peer: int, record: dict[str, Any]) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        ctx = self.ctx
-        host, port = record["host"], record["port"]
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ctx.settings.timeout)
-            tune_socket(sock)
-            await client_handshake(loop, sock, ctx.secret, "data", {"rank": ctx.rank, "job": ctx.job},
-                                   min(30.0, ctx.settings.timeout))
-        except TimeoutError:
-            sock.close()
-            raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {host}:{port} timed out") \
-                from None
-        except (OSError, PeerLostError) as exc:
-            sock.close()
-            raise PeerLostError(f"rank {ctx.rank}: cannot connect to rank {peer} at {host}:{port}: {exc}",
-                                peer) from None
-        return sock
+        return await dial(self.ctx, peer, record, "data", "tcp")
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         me = self.ctx.rank
