@@ -63,21 +63,6 @@ def test_soak_short() -> None:
 
 # ---- tc netem between two network namespaces -------------------------------------------------------------
 
-@pytest.fixture
-def hosts(tmp_path):
-    from netns import NetnsUnavailable, TwoHosts
-
-    h = TwoHosts(tmp_path)
-    try:
-        try:
-            h.create()
-        except NetnsUnavailable as exc:
-            pytest.skip(f"cannot build network namespaces here: {exc}")
-        yield h
-    finally:
-        h.destroy()
-
-
 def _netem(hosts, loss: str, verb: str = "add") -> None:
     """netem `loss` on both veth ends (egress of each host); skips, with tc's own words, where the kernel
     has no sch_netem."""

@@ -20,22 +20,6 @@ PER_HOST = 2
 WORLD = 2 * PER_HOST
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    """Two namespaces with a veth pair; skips where namespaces cannot be built; always cleans up."""
-    from netns import NetnsUnavailable, TwoHosts
-
-    h = TwoHosts(tmp_path)
-    try:
-        try:
-            h.create()
-        except NetnsUnavailable as exc:
-            pytest.skip(f"cannot build network namespaces here: {exc}")
-        yield h
-    finally:
-        h.destroy()
-
-
 def _expected(hosts, tcp_only: bool) -> dict[str, object]:
     return {"addrs": [hosts.addr[hosts.host_of(r, PER_HOST)] for r in range(WORLD)], "tcp_only": tcp_only}
 

@@ -273,6 +273,18 @@ class Matcher:
         for seq in {k[1] for k in self.posted if k[0] == comm}:
             self.cancel(comm, seq, exc)
 
+    def land(self, fp: Fingerprint, tag: int, data: np.ndarray) -> None:
+        """A message read whole into an early buffer (alloc): deliver it to a receive posted meanwhile, drop it,
+        or keep it for a later post."""
+        req = self.take(fp, tag, len(data))
+        if req is DROP:
+            self.release(data)
+        elif req is not None:
+            req.deliver(data)
+            self.release(data)
+        else:
+            self.stash(fp, tag, data)
+
     def has_room(self, nbytes: int) -> bool:
         return self.early_bytes + nbytes <= self.cap or not self.early
 

@@ -448,14 +448,7 @@ class ShmTransport(Transport):
                     if not req.fut.done():
                         req.fut.set_result(None)
                 elif early is not None:
-                    r2 = m.take(cur[2], cur[3], cur[4])
-                    if r2 is DROP:
-                        m.release(early)
-                    elif r2 is not None:
-                        r2.deliver(early)
-                        m.release(early)
-                    else:
-                        m.stash(cur[2], cur[3], early)
+                    m.land(cur[2], cur[3], early)
             if lib.hccl_load_acquire(head_p) == tail:
                 break
         if moved:

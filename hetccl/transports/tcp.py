@@ -108,14 +108,7 @@ class TcpEndpoint(Endpoint):
                             continue
                     data = m.alloc(nbytes)
                     await recv_into_exact(loop, sock, memoryview(data), peer)
-                    req = m.take(fp, tag, nbytes)  # posted while we were reading?
-                    if req is DROP:
-                        m.release(data)
-                    elif req is not None:
-                        req.deliver(data)
-                        m.release(data)
-                    else:
-                        m.stash(fp, tag, data)
+                    m.land(fp, tag, data)  # its receive may have been posted while we were reading
         except asyncio.CancelledError:
             m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
             raise

@@ -760,14 +760,7 @@ class VerbsEndpoint(Endpoint):
                         if not target.fut.done():
                             target.fut.set_result(None)
                     elif mode == "early":
-                        req = m.take(fp, tag, nbytes)  # posted while the fragments came in?
-                        if req is DROP:
-                            m.release(target)
-                        elif req is not None:
-                            req.deliver(target)
-                            m.release(target)
-                        else:
-                            m.stash(fp, tag, target)
+                        m.land(fp, tag, target)  # its receive may have been posted while the fragments came in
         except HetcclError as exc:
             self._lost(exc)
         except Exception as exc:  # noqa: BLE001 - a broken delivery must fail the peer, not the event loop
