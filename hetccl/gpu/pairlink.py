@@ -199,10 +199,7 @@ class PairLink:
     async def _all_reduce_cpu(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
         torch = torch_mod()
         raw = t.view(torch.uint8)
-        n = raw.numel()
-        isz = t.element_size()
-        step = (self.slot_bytes // isz) * isz
-        chunks = [(off, min(step, n - off)) for off in range(0, n, step)]
+        chunks = self._chunks(t)
         if not chunks:
             return
         self.d2h.wait_stream(stream)  # after the work already queued on the caller's stream
