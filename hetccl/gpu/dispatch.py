@@ -43,6 +43,8 @@ STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
 # at most this many bytes, the leaders' all_reduce goes through host memory in one piece (a copy each way
 # and hetccl's host all_reduce cost less than the pipelined link's per-chunk set-up)
 SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
+# small messages take the zero-copy link too when it is GPU-signalled (0: the host round trip below SMALL_BYTES)
+PAIRLINK_SMALL = os.environ.get("HETCCL_PAIRLINK_SMALL", "1") != "0"
 
 
 def vendor_of(label: str) -> str | None:
@@ -210,11 +212,13 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, inner, 0, vc.comm, s),
                      stream, _deadline(comm), "island reduce")
     if lay.leaders is not None and lay.leaders.size > 1:
-        link = await _pairlink(comm, lay, t) if buf.nbytes > SMALL_BYTES else None
-        if buf.nbytes <= SMALL_BYTES:
-            await small_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
-        elif link is not None:
+        small = buf.nbytes <= SMALL_BYTES
+        link = await _pairlink(comm, lay, t) if not small or PAIRLINK_SMALL else None
+        if link is not None and (not small or link.ops is not None):
+            # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop)
             await link.all_reduce(t, inner, stream, _deadline(comm))
+        elif small:
+            await small_all_reduce(lay.leaders, t, inner, stream, _deadline(comm))
         else:
             # every leader a GPU: gather the chunks and reduce on the devices; a CPU leader reduces on the host
             # anyway, and then every leader runs the host all_reduce (the same collectives on all of them)

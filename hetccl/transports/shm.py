@@ -87,7 +87,7 @@ class _Ring:
 
 
 class _Segment:
-    def __init__(self, name: str, size: int, create: bool):
+    def __init__(self, name: str, size: int, create: bool, touch: bool = True):
         self.name, self.size = name, size
         path = "/dev/shm/" + name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -103,8 +103,8 @@ class _Segment:
             os.close(fd)
         self.mem = np.frombuffer(self.mm, dtype=np.uint8)
         self.cbase = ffi.cast("char *", ffi.from_buffer("char[]", self.mem, True))
-        if create:
-            self.mem[:] = 0  # fault the pages in now, not on the hot path
+        if create and touch:
+            self.mem[:] = 0  # fault the pages in now, not on the hot path (touch=False: the caller places them)
         self.waiting = ffi.cast("uint64_t *", self.cbase)
 
     @staticmethod

@@ -29,16 +29,32 @@ CUresult cuStreamWaitValue32(CUstream stream, CUdeviceptr addr, unsigned int val
 CUresult cuStreamWriteValue32(CUstream stream, CUdeviceptr addr, unsigned int value, unsigned int flags);
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int flags);
 CUresult cuGetErrorName(CUresult error, const char **pStr);
+typedef void *CUevent;
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t nbytes, CUstream stream);
+CUresult cuEventCreate(CUevent *event, unsigned int flags);
+CUresult cuEventRecord(CUevent event, CUstream stream);
+CUresult cuEventQuery(CUevent event);
+CUresult cuEventDestroy_v2(CUevent event);
+CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags);
 
 typedef int hipError_t;
 hipError_t hipStreamWaitValue32(void *stream, void *ptr, unsigned int value, unsigned int flags,
                                 unsigned int mask);
 hipError_t hipStreamWriteValue32(void *stream, void *ptr, unsigned int value, unsigned int flags);
 hipError_t hipHostGetDevicePointer(void **devPtr, void *hstPtr, unsigned int flags);
+hipError_t hipMemcpyAsync(void *dst, const void *src, size_t nbytes, int kind, void *stream);
+hipError_t hipEventCreateWithFlags(void **event, unsigned int flags);
+hipError_t hipEventRecord(void *event, void *stream);
+hipError_t hipEventQuery(void *event);
+hipError_t hipEventDestroy(void *event);
+hipError_t hipStreamWaitEvent(void *stream, void *event, unsigned int flags);
 """
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ / hipStreamWaitValueGte: (int32)(*addr - value) >= 0
 HIP_WAIT_GTE = 0x0
+EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING / hipEventDisableTiming
+NOT_READY = 600  # CUDA_ERROR_NOT_READY / hipErrorNotReady
+HIP_MEMCPY_DEFAULT = 4
 
 
 class Unavailable(TransportError):
@@ -47,7 +63,10 @@ class Unavailable(TransportError):
 
 class StreamOps:
     """wait_geq(stream, addr, value) / write(stream, addr, value) on 32-bit words of host-mapped memory;
-    `addr` comes from device_pointer(host_address)."""
+    `addr` comes from device_pointer(host_address). Also the few driver calls the link enqueues per chunk
+    (copy, event record / wait / query): a driver call through cffi costs about a microsecond, where the
+    torch equivalents (stream contexts, tensor slices, Event objects) cost 5-20 us each, and a 256 MiB
+    all_reduce enqueues some 700 of them. Streams and events are raw handles (ints)."""
 
     def __init__(self, vendor: str, ffi: Any, lib: Any):
         self.vendor, self.ffi, self.lib = vendor, ffi, lib
@@ -93,6 +112,70 @@ class StreamOps:
         else:
             rc = self._write(self.ffi.cast("void *", stream), self.ffi.cast("void *", addr), value, 0)
         self._check(rc, "stream write of a host counter")
+
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Copy between unified addresses (device memory, registered host memory) on `stream`."""
+        if self.vendor == "cuda":
+            rc = self.lib.cuMemcpyAsync(dst, src, nbytes, self.ffi.cast("CUstream", stream))
+        else:
+            rc = self.lib.hipMemcpyAsync(self.ffi.cast("void *", dst), self.ffi.cast("void *", src), nbytes,
+                                         HIP_MEMCPY_DEFAULT, self.ffi.cast("void *", stream))
+        self._check(rc, f"async copy of {nbytes} bytes")
+
+    def event(self) -> int:
+        """A new event (timing disabled) in the calling thread's current context (destroy with drop)."""
+        out = self.ffi.new("void **")
+        if self.vendor == "cuda":
+            rc = self.lib.cuEventCreate(self.ffi.cast("CUevent *", out), EVENT_DISABLE_TIMING)
+        else:
+            rc = self.lib.hipEventCreateWithFlags(out, EVENT_DISABLE_TIMING)
+        self._check(rc, "event creation")
+        return int(self.ffi.cast("uintptr_t", out[0]))
+
+    def record(self, event: int, stream: int) -> None:
+        if self.vendor == "cuda":
+            rc = self.lib.cuEventRecord(self.ffi.cast("CUevent", event), self.ffi.cast("CUstream", stream))
+        else:
+            rc = self.lib.hipEventRecord(self.ffi.cast("void *", event), self.ffi.cast("void *", stream))
+        self._check(rc, "event record")
+
+    def wait_event(self, stream: int, event: int) -> None:
+        """Work queued on `stream` after this waits for the event's last record (no host blocking)."""
+        if self.vendor == "cuda":
+            rc = self.lib.cuStreamWaitEvent(self.ffi.cast("CUstream", stream), self.ffi.cast("CUevent", event), 0)
+        else:
+            rc = self.lib.hipStreamWaitEvent(self.ffi.cast("void *", stream), self.ffi.cast("void *", event), 0)
+        self._check(rc, "stream wait on an event")
+
+    def query(self, event: int) -> bool:
+        """Whether the work before the event's last record has finished; a device error raises."""
+        if self.vendor == "cuda":
+            rc = self.lib.cuEventQuery(self.ffi.cast("CUevent", event))
+        else:
+            rc = self.lib.hipEventQuery(self.ffi.cast("void *", event))
+        if rc == NOT_READY:
+            return False
+        self._check(rc, "event query")
+        return True
+
+    def drop(self, event: int) -> None:
+        if self.vendor == "cuda":
+            self.lib.cuEventDestroy_v2(self.ffi.cast("CUevent", event))
+        else:
+            self.lib.hipEventDestroy(self.ffi.cast("void *", event))
+
+
+class RawEvent:
+    """A StreamOps event with the query() of a torch Event (what runtime.wait_event polls)."""
+
+    __slots__ = ("ops", "handle")
+
+    def __init__(self, ops: StreamOps, handle: int):
+        self.ops, self.handle = ops, handle
+
+    def query(self) -> bool:
+        return self.ops.query(self.handle)
 
 
 def _first(lib: Any, *names: str) -> Any:
