@@ -77,6 +77,8 @@ def main() -> int:
     p.add_argument("--out", default=str(HERE / "results" / "gpu.md"))
     p.add_argument("--skip-gloo", action="store_true")
     p.add_argument("--only", choices=["one", "two"], default=None, help="run one part of the comparison")
+    p.add_argument("--two-variant", action="append", default=[], metavar="LABEL:VAR=VAL[,VAR=VAL]",
+                   help="an extra two-island hetccl column run with these environment settings (repeatable)")
     args = p.parse_args()
     n = args.nprocs
     with tempfile.TemporaryDirectory() as d:
@@ -89,6 +91,11 @@ def main() -> int:
         if args.only != "one":
             two["hetccl (2 islands)"] = run("hetccl-2islands", "hetccl", {},
                                             ",".join(f"nvidia-{'ab'[i % 2]}" for i in range(n)), args, tmp)
+            for spec in args.two_variant:
+                label, _, settings = spec.partition(":")
+                env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+                two[f"hetccl {label}"] = run(f"hetccl-2islands-{len(two)}", "hetccl", env,
+                                             ",".join(f"nvidia-{'ab'[i % 2]}" for i in range(n)), args, tmp)
             two["nccl P2P off (shm)"] = run("nccl-nop2p", "torch-nccl", {"NCCL_P2P_DISABLE": "1"}, "", args, tmp)
         if not args.skip_gloo and args.only != "one":
             two["torch gloo (CUDA tensors)"] = run("torch-gloo", "torch-gloo", {}, "", args, tmp)
