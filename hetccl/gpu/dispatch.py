@@ -30,7 +30,7 @@ from ..config import parse_size
 from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
-from .runtime import as_tensor, divide_inplace, reduce_inplace, staging, stream_of, torch_mod, wait_event
+from .runtime import as_tensor, divide_inplace, reduce_inplace, staging, stream_handle, stream_of, torch_mod, wait_event
 from .vendor_comm import VendorComm
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
     lay = await layout(comm)
     vc = await _vendor(comm, lay, buf)
     await vc.run(lambda s: vc.lib.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, vc.comm, s),
-                 stream_of(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
+                 stream_handle(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
 
 
 def _vendor_comms(comm: Communicator) -> list[VendorComm]:
@@ -417,7 +417,7 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
         comm._fp(4, buf.dtype, buf.count, root)
         vc = await _vendor(comm, lay, buf)
         await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, vc.comm, s),
-                     stream_of(buf), deadline, "broadcast")
+                     stream_handle(buf), deadline, "broadcast")
     elif name == "reduce":
         buf = as_device_buf(args[0], "buf")
         root = int(kwargs.get("root", args[1] if len(args) > 1 else 0))
@@ -426,7 +426,7 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
         vc = await _vendor(comm, lay, buf)
         # NCCL writes the result on root only; other ranks' buffers are left as they were
         await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, root, vc.comm, s),
-                     stream_of(buf), deadline, "reduce")
+                     stream_handle(buf), deadline, "reduce")
     elif name == "all_gather":
         out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
         if out.count != comm.size * inp.count:
@@ -435,7 +435,7 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
         comm._fp(2, out.dtype, inp.count)
         vc = await _vendor(comm, lay, out)
         await vc.run(lambda s: vc.lib.all_gather(inp.ptr, out.ptr, inp.count, out.dtype, vc.comm, s),
-                     stream_of(out), deadline, "all_gather")
+                     stream_handle(out), deadline, "all_gather")
     else:  # reduce_scatter
         out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
         rop = parse_op(kwargs.get("op", args[2] if len(args) > 2 else "sum"))
@@ -445,4 +445,4 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
         comm._fp(3, out.dtype, out.count, -1, rop)
         vc = await _vendor(comm, lay, out)
         await vc.run(lambda s: vc.lib.reduce_scatter(inp.ptr, out.ptr, out.count, out.dtype, rop, vc.comm, s),
-                     stream_of(out), deadline, "reduce_scatter")
+                     stream_handle(out), deadline, "reduce_scatter")

@@ -54,6 +54,60 @@ def torch_dtype(dt: DType) -> Any:
 CALLER_STREAM: contextvars.ContextVar[Any] = contextvars.ContextVar("hetccl_caller_stream", default=None)
 
 
+def current_stream_handle(device: int) -> int:
+    """The raw handle of the calling thread's current stream on `device` (torch's private accessor costs a
+    fraction of a microsecond; torch.cuda.current_stream builds a Stream object, some 10 us)."""
+    torch = torch_mod()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(raw(device)) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def stream_handle(buf: DeviceBuf) -> int:
+    """stream_of(buf) as a raw handle, for calls that only enqueue (vendor collectives)."""
+    if buf.framework == "torch":
+        caller = CALLER_STREAM.get()
+        if caller is not None and caller.device_index == buf.device:
+            return caller.cuda_stream
+        return buf.stream  # as_device_buf took the current stream a moment ago
+    if buf.stream:
+        return buf.stream
+    return current_stream_handle(torch_mod().cuda.current_device())
+
+
+_DRIVER: dict[str, Any] = {}
+
+
+def _driver(vendor: str) -> Any:
+    if vendor not in _DRIVER:
+        from ..vendor.streamops import Unavailable, load_driver
+
+        try:
+            _DRIVER[vendor] = load_driver(vendor)
+        except Unavailable:
+            _DRIVER[vendor] = None
+    return _DRIVER[vendor]
+
+
+def record_event(stream: Any, device: int) -> Any:
+    """An event recorded on `stream` (a raw handle or a torch stream of `device`), with query(): a driver
+    event (about 2 us to make and record) where the driver loads and `device` is current, else a torch
+    Event (5-10 us)."""
+    torch = torch_mod()
+    ops = _driver("hip" if getattr(torch.version, "hip", None) else "cuda")
+    handle = stream if isinstance(stream, int) else stream.cuda_stream
+    if ops is not None and torch.cuda.current_device() == device:  # driver events belong to the current context
+        from ..vendor.streamops import RawEvent
+
+        ev = RawEvent(ops, ops.event(), owned=True)
+        ops.record(ev.handle, handle)
+        return ev
+    if isinstance(stream, int):
+        stream = torch.cuda.ExternalStream(stream, device=device)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
 def stream_of(buf: DeviceBuf) -> Any:
     torch = torch_mod()
     if buf.framework == "torch":

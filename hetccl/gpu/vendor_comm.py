@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CollectiveTimeout, PeerLostError, TransportError
-from .runtime import torch_mod, wait_event
+from .runtime import record_event, torch_mod, wait_event
 
 IN_PROGRESS = 7
 # the watchdog's polling period while operations are in flight: long, because every CUDA/NCCL call it makes
@@ -116,22 +116,22 @@ class VendorComm:
 
     async def run(self, enqueue: Callable[[int], Any], stream: Any, deadline: float, what: str,
                   wait: bool = False) -> None:
-        """Enqueue one operation (enqueue(stream_handle)) on `stream`. Returns once enqueued (the watchdog
+        """Enqueue one operation (enqueue(stream_handle)) on `stream` (a torch stream or a raw handle).
+        Returns once enqueued (the watchdog
         follows it), or once complete on the device with wait=True or HETCCL_GPU_BLOCKING=1."""
         if self.broken is not None:
             raise self.broken
-        torch = torch_mod()
         if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:  # never block in a full queue
             await self._wait_pending(MAX_IN_FLIGHT // 2, deadline, what)
         if self.comm is None:
             raise self.broken or PeerLostError("the vendor communicator was aborted after an error")
-        rc = enqueue(stream.cuda_stream)
+        handle = stream if isinstance(stream, int) else stream.cuda_stream
+        rc = enqueue(handle)
         if rc == IN_PROGRESS:
             await self._settle(deadline, what)
-        ev = torch.cuda.Event()
-        ev.record(stream)
+        ev = record_event(stream, self.device)
         if not (wait or blocking()):
-            self._track(ev, deadline, what, stream.cuda_stream)
+            self._track(ev, deadline, what, handle)
             return
         try:
             await wait_event(ev, deadline, what, self.poll)

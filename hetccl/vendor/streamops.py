@@ -70,11 +70,13 @@ class StreamOps:
 
     def __init__(self, vendor: str, ffi: Any, lib: Any):
         self.vendor, self.ffi, self.lib = vendor, ffi, lib
+        # None where the driver lacks them: load_streamops() refuses such a driver, load_driver() does not
         if vendor == "cuda":
             self._wait = _first(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
             self._write = _first(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
         else:
-            self._wait, self._write = lib.hipStreamWaitValue32, lib.hipStreamWriteValue32
+            self._wait = _first(lib, "hipStreamWaitValue32")
+            self._write = _first(lib, "hipStreamWriteValue32")
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -167,15 +169,23 @@ class StreamOps:
 
 
 class RawEvent:
-    """A StreamOps event with the query() of a torch Event (what runtime.wait_event polls)."""
+    """A StreamOps event with the query() of a torch Event (what runtime.wait_event polls); an owned one is
+    destroyed with this object."""
 
-    __slots__ = ("ops", "handle")
+    __slots__ = ("ops", "handle", "owned")
 
-    def __init__(self, ops: StreamOps, handle: int):
-        self.ops, self.handle = ops, handle
+    def __init__(self, ops: StreamOps, handle: int, owned: bool = False):
+        self.ops, self.handle, self.owned = ops, handle, owned
 
     def query(self) -> bool:
         return self.ops.query(self.handle)
+
+    def __del__(self) -> None:
+        if self.owned:
+            try:
+                self.ops.drop(self.handle)
+            except Exception:  # interpreter shutdown: the driver may be gone already
+                pass
 
 
 def _first(lib: Any, *names: str) -> Any:
@@ -184,20 +194,19 @@ def _first(lib: Any, *names: str) -> Any:
             return getattr(lib, n)
         except AttributeError:
             continue
-    raise Unavailable(f"the GPU driver lacks {' and '.join(names)}")
+    return None
 
 
 _cache: dict[str, StreamOps] = {}
 _lock = threading.Lock()
 
 
-def load_streamops(vendor: str = "cuda") -> StreamOps:
-    """The stream memory operations of `vendor` ("cuda" or "hip"); raises Unavailable with the reason."""
+def load_driver(vendor: str = "cuda") -> StreamOps:
+    """The driver calls of `vendor` ("cuda" or "hip"): copies and events always, stream memory operations
+    where the driver has them; raises Unavailable with the reason when the driver cannot be loaded."""
     with _lock:
         if vendor in _cache:
             return _cache[vendor]
-        if os.environ.get("HETCCL_STREAM_MEMOPS", "1") == "0":
-            raise Unavailable("disabled by HETCCL_STREAM_MEMOPS=0")
         import cffi
 
         ffi = cffi.FFI()
@@ -214,3 +223,15 @@ def load_streamops(vendor: str = "cuda") -> StreamOps:
         ops = StreamOps(vendor, ffi, lib)
         _cache[vendor] = ops
         return ops
+
+
+def load_streamops(vendor: str = "cuda") -> StreamOps:
+    """The stream memory operations of `vendor` ("cuda" or "hip"); raises Unavailable with the reason."""
+    if os.environ.get("HETCCL_STREAM_MEMOPS", "1") == "0":
+        raise Unavailable("disabled by HETCCL_STREAM_MEMOPS=0")
+    ops = load_driver(vendor)
+    if ops._wait is None or ops._write is None:
+        raise Unavailable("the GPU driver lacks " + ("cuStreamWaitValue32 and cuStreamWriteValue32"
+                                                     if vendor == "cuda" else
+                                                     "hipStreamWaitValue32 and hipStreamWriteValue32"))
+    return ops
