@@ -83,34 +83,43 @@ def dead_peer_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
         why = []
         if job.procs[victim].returncode != -9:
             why.append(f"victim rc={job.procs[victim].returncode} (not killed by SIGKILL?)")
-        detect, done = [], []
         for r in survivors:
-            err = job.event(r, "error")
             if job.event(r, "wrong"):
                 why.append(f"rank {r} got a wrong result")
-            if err is None:
-                why.append(f"rank {r} reported no error (rc={job.procs[r].poll()}): {job.stderr_tail(r, 300)!r}")
-                continue
-            detect.append(err["t"] - t_kill)
-            if err["cls"] != "PeerLostError" or err["exc_rank"] != victim:
-                why.append(f"rank {r} raised {err['cls']}(rank={err['exc_rank']}): {err['msg'][:120]}")
-            if err["t"] - t_kill > DETECT_LIMIT:
-                why.append(f"rank {r} raised after {err['t'] - t_kill:.1f} s")
-            if r not in exited:
-                why.append(f"rank {r} still running {EXIT_LIMIT:.0f} s after the kill")
-            else:
-                done.append(exited[r] - t_kill)
-                if job.procs[r].returncode != 0:
-                    why.append(f"rank {r} exited {job.procs[r].returncode}")
-        job.kill_all()
-        left = _leftovers(job, jobid, ports)
-        if left:
-            why.append("left behind: " + ", ".join(left))
-        res.update(detect=max(detect) if detect else None, exit=max(done) if done else None,
-                   ok=not why, why="; ".join(why))
-        return res
+        return _judge(job, survivors, t_kill, ("PeerLostError", victim), DETECT_LIMIT, exited, why, res, jobid,
+                      ports)
     finally:
         job.kill_all()
+
+
+def _judge(job: Job, ranks: list[int], t0: float, expect: tuple[str, int | None], limit: float,
+           exited: dict[int, float], why: list[str], res: dict, jobid: str, ports: set[int]) -> dict:
+    """The end of a trial: each of `ranks` must have raised `expect` (class, and the rank it names unless None)
+    within `limit` s of t0 and exited 0; then nothing of the job may be left. Fills and returns res."""
+    detect, done = [], []
+    for r in ranks:
+        err = job.event(r, "error")
+        if err is None:
+            why.append(f"rank {r} reported no error (rc={job.procs[r].poll()}): {job.stderr_tail(r, 300)!r}")
+            continue
+        detect.append(err["t"] - t0)
+        if err["cls"] != expect[0] or expect[1] is not None and err["exc_rank"] != expect[1]:
+            why.append(f"rank {r} raised {err['cls']}(rank={err['exc_rank']}): {err['msg'][:120]}")
+        if err["t"] - t0 > limit:
+            why.append(f"rank {r} raised after {err['t'] - t0:.1f} s")
+        if r not in exited:
+            why.append(f"rank {r} still running {EXIT_LIMIT:.0f} s after its deadline")
+        else:
+            done.append(exited[r] - t0)
+            if job.procs[r].returncode != 0:
+                why.append(f"rank {r} exited {job.procs[r].returncode}")
+    job.kill_all()
+    left = _leftovers(job, jobid, ports)
+    if left:
+        why.append("left behind: " + ", ".join(left))
+    res.update(detect=max(detect) if detect else None, exit=max(done) if done else None,
+               ok=not why, why="; ".join(why))
+    return res
 
 
 def stuck_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
@@ -134,33 +143,12 @@ def stuck_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
             return res
         t_stuck = job.event(stuck, "stuck")["t"]
         exited = job.wait_exit(others, STUCK_TIMEOUT + 10 + EXIT_LIMIT)
-        why, detect, done = [], [], []
+        why = []
         if job.procs[stuck].poll() is not None:
             why.append(f"the stuck rank exited by itself (rc={job.procs[stuck].returncode})")
-        for r in others:
-            err = job.event(r, "error")
-            if err is None:
-                why.append(f"rank {r} reported no error (rc={job.procs[r].poll()}): {job.stderr_tail(r, 300)!r}")
-                continue
-            detect.append(err["t"] - t_stuck)
-            if err["cls"] != "CollectiveTimeout":
-                why.append(f"rank {r} raised {err['cls']}: {err['msg'][:120]}")
-            if err["t"] - t_stuck > STUCK_TIMEOUT + STUCK_MARGIN:
-                why.append(f"rank {r} raised after {err['t'] - t_stuck:.1f} s")
-            if r not in exited:
-                why.append(f"rank {r} still running")
-            else:
-                done.append(exited[r] - t_stuck)
-                if job.procs[r].returncode != 0:
-                    why.append(f"rank {r} exited {job.procs[r].returncode}")
         job.kill(stuck)
-        job.kill_all()
-        left = _leftovers(job, jobid, ports)
-        if left:
-            why.append("left behind: " + ", ".join(left))
-        res.update(detect=max(detect) if detect else None, exit=max(done) if done else None,
-                   ok=not why, why="; ".join(why))
-        return res
+        return _judge(job, others, t_stuck, ("CollectiveTimeout", None), STUCK_TIMEOUT + STUCK_MARGIN, exited,
+                      why, res, jobid, ports)
     finally:
         job.kill_all()
 

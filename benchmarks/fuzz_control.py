@@ -34,7 +34,6 @@ import contextlib
 import os
 import platform
 import random
-import shutil
 import socket
 import struct
 import sys
@@ -47,7 +46,7 @@ import msgpack
 from hetccl.auth import NONCE_BYTES, PROTOCOL, _mac
 from hetccl.wire import decode_control_body, encode_control
 
-from rankproc import Job, rss_kib
+from rankproc import Job, finish_report, rss_kib
 
 HS_MAX = 4096
 KINDS = ["random", "truncated", "oversized", "types", "replay", "wrongmac", "drop"]
@@ -401,16 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             f"the fuzz, {done[0]['iterations'] if done[0] else '?'} at exit.",
             "", f"RSS per rank (KiB): start {rss_start}, peak {rss_peak}, end {rss_end} "
             f"(growth {', '.join(f'{g:+.1f}' for g in growth)} MiB; limit {args.rss_limit:g} MiB)."]
-    lines += ["", "result: " + ("PASS" if not why else "FAIL: " + "; ".join(why))]
-    print("\n".join(lines), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
-    if not why:
-        shutil.rmtree(wd, ignore_errors=True)
-    else:
-        print(f"rank output kept under {wd}")
-    return 0 if not why else 1
+    return finish_report(lines, why, args.out, wd)
 
 
 if __name__ == "__main__":

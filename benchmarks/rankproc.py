@@ -45,6 +45,23 @@ def emit(kind: str, **fields: object) -> None:
     os.write(1, (json.dumps(fields) + "\n").encode())
 
 
+def finish_report(lines: list[str], why: list[str], out: Path | None, workdir: Path) -> int:
+    """The end of a reliability script: the verdict line, the report printed (and written to `out`), the rank
+    output removed on a pass and kept on a failure; the exit status."""
+    import shutil
+
+    lines += ["", "result: " + ("PASS" if not why else "FAIL: " + "; ".join(why))]
+    print("\n".join(lines), flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+    if not why:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"rank output kept under {workdir}")
+    return 0 if not why else 1
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

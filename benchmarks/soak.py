@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rankproc import Job, fd_count, rss_kib
+from rankproc import Job, fd_count, finish_report, rss_kib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,16 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Samples (seconds: RSS KiB per rank / fds per rank), every 6th:", "", "```"]
     for s in samples[::6] + samples[-1:]:
         lines.append(f"{s[0]:7.1f}: {s[1]} / {s[2]}")
-    lines += ["```", "", "result: " + ("PASS" if not why else "FAIL: " + "; ".join(why))]
-    print("\n".join(lines), flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
-    if not why:
-        shutil.rmtree(wd, ignore_errors=True)
-    else:
-        print(f"rank output kept under {wd}")
-    return 0 if not why else 1
+    lines.append("```")
+    return finish_report(lines, why, args.out, wd)
 
 
 if __name__ == "__main__":
