@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 from workers import check, expected_reduce, make, np_dtype
@@ -106,7 +107,24 @@ async def gpu_matrix(comm: hetccl.Communicator, counts: list[int], dtypes: list[
             c = to_dev(c, "float32", True)
     await comm.all_reduce(c)
     assert float(c[0]) == n * (n + 1) / 2, c[0]
+    if gpu:  # an exporter that speaks DLPack only (no __cuda_array_interface__, not a torch or CuPy type)
+        d = torch.full((777,), float(r + 1), device="cuda")
+        await comm.all_reduce(_DLPackOnly(d))
+        assert float(d[776]) == n * (n + 1) / 2, float(d[776])
+    else:
+        await comm.all_reduce(np.full(777, float(r + 1), np.float32))
     await comm.barrier()
+
+
+class _DLPackOnly:
+    def __init__(self, t: Any):
+        self.t = t
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self.t.__dlpack_device__()
 
 
 def _use_local_gpu(comm: hetccl.Communicator) -> None:

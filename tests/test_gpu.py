@@ -5,22 +5,10 @@ They need CUDA devices and the NCCL library; on CPU-only machines (CI) they skip
 from __future__ import annotations
 
 import pytest
+from gpu_marks import GPU_ENV, needs_1, needs_2
 from rankrun import run_ranks
 
-
-def _gpus() -> int:
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-NGPU = _gpus()
-needs_2 = pytest.mark.skipif(NGPU < 2, reason=f"needs 2 CUDA GPUs (found {NGPU}); runs on the GPU machine")
-needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU; runs on the GPU machine")
 COUNTS = [0, 1, 7, 1000, 1 << 20]
-GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @needs_2

@@ -11,24 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
+from gpu_marks import GPU_ENV, NGPU, needs_1, needs_2
 from test_torch_backend import run_torch
 
-
-def _gpus() -> int:
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-NGPU = _gpus()
-needs_1 = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU; runs on the GPU machine")
-needs_2 = pytest.mark.skipif(NGPU < 2, reason=f"needs 2 CUDA GPUs (found {NGPU}); runs on the GPU machine")
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
-CUDA_ENV = {"TORCH_TEST_DEVICE": "cuda", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+CUDA_ENV = {"TORCH_TEST_DEVICE": "cuda", **GPU_ENV}
 
 
 def _close(got: list[float], want: list[float], tol: float, what: str) -> None:
