@@ -40,8 +40,8 @@ log = logging.getLogger("hetccl")
 GPU_LABELS = {"nvidia": "nvidia", "amd": "amd"}
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
 STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
-# at most this many bytes, the leaders' all_reduce goes through host memory in one piece (a copy each way
-# and hetccl's host all_reduce cost less than the pipelined link's per-chunk set-up)
+# at most this many bytes, where the GPU-signalled link is not used, the leaders' all_reduce goes through host
+# memory in one piece (a copy each way and hetccl's host all_reduce cost less than a pipeline's per-chunk set-up)
 SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
 # small messages take the zero-copy link too when it is GPU-signalled (0: the host round trip below SMALL_BYTES)
 PAIRLINK_SMALL = os.environ.get("HETCCL_PAIRLINK_SMALL", "1") != "0"

@@ -9,12 +9,10 @@ round trip most; the sender's writes are posted) is what NCCL does for its host 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
 
-log = logging.getLogger("hetccl")
 SYSFS_PCI = "/sys/bus/pci/devices"
 
 
@@ -26,10 +24,6 @@ def _cpulist(text: str) -> set[int]:
         lo, _, hi = part.partition("-")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
-
-
-def pci_path(domain: int, bus: int, device: int) -> str:
-    return f"{SYSFS_PCI}/{domain:04x}:{bus:02x}:{device:02x}.0"
 
 
 def gpu_locality(props: Any, sysfs: str = SYSFS_PCI) -> tuple[int | None, set[int]]:

@@ -89,12 +89,23 @@ class PairLink:
             except (RuntimeError, TypeError, TransportError) as exc:  # a runtime that will not wrap host memory
                 log.info("hetccl: cross-island link without its direct path (%s)", exc)
 
+    def slot_offset(self, direction: int, seq: int) -> int:
+        return HEADER + (direction * SLOTS + seq % SLOTS) * self.slot_bytes
+
     def slot_ptr(self, direction: int, seq: int) -> int:
-        return self.base_ptr + HEADER + (direction * SLOTS + seq % SLOTS) * self.slot_bytes
+        return self.base_ptr + self.slot_offset(direction, seq)
 
     def slot(self, direction: int, seq: int) -> Any:
-        off = HEADER + (direction * SLOTS + seq % SLOTS) * self.slot_bytes
+        off = self.slot_offset(direction, seq)
         return self.host[off: off + self.slot_bytes]
+
+    def events(self, device: Any) -> list[int]:
+        """The GPU-signalled paths' driver events (start, sent, got, done per scratch), made on first use in
+        the device's context."""
+        if self.ev is None:
+            with torch_mod().cuda.device(device):
+                self.ev = [self.ops.event() for _ in range(3 + SCRATCH)]
+        return self.ev
 
     @classmethod
     async def create(cls, leaders: Any, device: Any, slot_bytes: int, timeout: float) -> PairLink:
@@ -186,18 +197,16 @@ class PairLink:
         ops.copy(self.slot_ptr(me, s_out), t.data_ptr(), n, cs)
         ops.write(cs, self.dev_produced[me], s_out + 1)
         ops.wait_geq(cs, self.dev_produced[peer], s_in + 1)
-        off = self.slot_ptr(peer, s_in) - self.base_ptr
+        off = self.slot_offset(peer, s_in)
         with torch.cuda.stream(stream):
             reduce_inplace(t, self.mapped[off: off + n].view(t.dtype), op)
         ops.write(cs, self.dev_consumed[peer], s_in + 1)
-        if self.ev is None:
-            with torch.cuda.device(t.device):  # events belong to the device's context
-                self.ev = [ops.event() for _ in range(3 + SCRATCH)]
-        ops.record(self.ev[0], cs)
+        done = self.events(t.device)[0]
+        ops.record(done, cs)
         self.sent += 1
         self.received += 1
         try:
-            await wait_event(RawEvent(ops, self.ev[0]), deadline, "cross-island all_reduce", self._check_peer)
+            await wait_event(RawEvent(ops, done), deadline, "cross-island all_reduce", self._check_peer)
         except BaseException as exc:
             self._release(exc)
             raise
@@ -213,11 +222,7 @@ class PairLink:
         if not chunks:
             return
         ops, me, peer = self.ops, self.me, self.peer
-        if self.ev is None:
-            with torch.cuda.device(t.device):  # events belong to the device's context
-                self.ev = [ops.event() for _ in range(3 + SCRATCH)]
-        ev_start, ev_sent, ev_got = self.ev[:3]
-        ev_done = self.ev[3:]
+        ev_start, ev_sent, ev_got, *ev_done = self.events(t.device)
         d2h, h2d, cs = self.d2h.cuda_stream, self.h2d.cuda_stream, stream.cuda_stream
         ops.record(ev_start, cs)
         ops.wait_event(d2h, ev_start)  # our data as the caller's queued work leaves it

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..dtypes import DType, ReduceOp
 from ..errors import CollectiveTimeout, ConfigError
-from .buffers import DeviceBuf
+from .buffers import DeviceBuf, current_stream_handle
 
 _TORCH_DTYPES: dict[DType, Any] = {}
 
@@ -52,14 +52,6 @@ def torch_dtype(dt: DType) -> Any:
 # The stream a collective is ordered on when the call comes from another thread (the torch backend submits
 # to hetccl's loop thread, whose current stream is not the caller's): set per asyncio task
 CALLER_STREAM: contextvars.ContextVar[Any] = contextvars.ContextVar("hetccl_caller_stream", default=None)
-
-
-def current_stream_handle(device: int) -> int:
-    """The raw handle of the calling thread's current stream on `device` (torch's private accessor costs a
-    fraction of a microsecond; torch.cuda.current_stream builds a Stream object, some 10 us)."""
-    torch = torch_mod()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return int(raw(device)) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def stream_handle(buf: DeviceBuf) -> int:

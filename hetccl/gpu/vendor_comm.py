@@ -117,8 +117,8 @@ class VendorComm:
     async def run(self, enqueue: Callable[[int], Any], stream: Any, deadline: float, what: str,
                   wait: bool = False) -> None:
         """Enqueue one operation (enqueue(stream_handle)) on `stream` (a torch stream or a raw handle).
-        Returns once enqueued (the watchdog
-        follows it), or once complete on the device with wait=True or HETCCL_GPU_BLOCKING=1."""
+        Returns once enqueued (the watchdog follows it), or once complete on the device with wait=True or
+        HETCCL_GPU_BLOCKING=1."""
         if self.broken is not None:
             raise self.broken
         if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:  # never block in a full queue

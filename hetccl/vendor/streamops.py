@@ -115,7 +115,6 @@ class StreamOps:
             rc = self._write(self.ffi.cast("void *", stream), self.ffi.cast("void *", addr), value, 0)
         self._check(rc, "stream write of a host counter")
 
-
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy between unified addresses (device memory, registered host memory) on `stream`."""
         if self.vendor == "cuda":
