@@ -49,12 +49,15 @@ def _leftovers(job: Job, jobid: str | None, ports: set[int]) -> list[str]:
     return left
 
 
-def _start(job: Job, n: int, res: dict) -> dict[int, dict] | None:
+def _start(job: Job, n: int, res: dict) -> tuple[str, set[int]] | None:
+    """Wait for every rank's "ready": the job's id and its listening ports (what _leftovers looks for), or None
+    with the reason in res."""
     if not job.wait_event(list(range(n)), "ready", 90):
         res["why"] = "ranks did not start: " + " | ".join(
             f"rank {r} rc={job.procs[r].poll()} {job.stderr_tail(r, 400)!r}" for r in range(n))
         return None
-    return {r: job.event(r, "ready") for r in range(n)}
+    ready = {r: job.event(r, "ready") for r in range(n)}
+    return ready[0]["job"], {job.store_port} | {ev["tcp_port"] for ev in ready.values() if ev.get("tcp_port")}
 
 
 def dead_peer_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
@@ -66,11 +69,10 @@ def dead_peer_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
     job = Job.spawn(n, "fault_ranks:loop_until_error", {"HETCCL_TRANSPORTS": TRANSPORTS[transport]}, workdir,
                     count=COUNT)
     try:
-        ready = _start(job, n, res)
-        if ready is None:
+        started = _start(job, n, res)
+        if started is None:
             return res
-        jobid = ready[0]["job"]
-        ports = {job.store_port} | {ev["tcp_port"] for ev in ready.values() if ev.get("tcp_port")}
+        jobid, ports = started
         if not _leftovers(job, jobid, ports):  # the same check on the live job must see its sockets
             res["why"] = "the leftover check sees nothing of the running job (it would be blind)"
             return res
@@ -132,11 +134,10 @@ def stuck_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
                                                        "HETCCL_TIMEOUT": str(STUCK_TIMEOUT)}, workdir,
                     count=COUNT, stuck_rank=stuck, stuck_after=after)
     try:
-        ready = _start(job, n, res)
-        if ready is None:
+        started = _start(job, n, res)
+        if started is None:
             return res
-        jobid = ready[0]["job"]
-        ports = {job.store_port} | {ev["tcp_port"] for ev in ready.values() if ev.get("tcp_port")}
+        jobid, ports = started
         others = [r for r in range(n) if r != stuck]
         if not job.wait_event([stuck], "stuck", 30):
             res["why"] = "the stuck rank never got stuck"

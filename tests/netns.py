@@ -189,6 +189,16 @@ class TwoHosts:
     def report(self, ranks: list[Rank]) -> str:
         return "\n".join(rk.report() for rk in ranks)
 
+    def wait_output(self, ranks: list[Rank], text: str, timeout: float, what: str) -> None:
+        """Wait until rank 0 of `ranks` prints `text`; if a rank exits first or `timeout` passes, kill them and
+        fail with every rank's output."""
+        deadline = time.monotonic() + timeout
+        while text not in ranks[0].stdout():
+            if any(rk.proc.poll() is not None for rk in ranks) or time.monotonic() > deadline:
+                self.kill(ranks)
+                raise AssertionError(f"{what}\n" + self.report(ranks))
+            time.sleep(0.05)
+
     def check_all_ok(self, ranks: list[Rank], timeout: float, what: str) -> None:
         """Every rank exits 0 within `timeout`; otherwise kill them and fail with every rank's output."""
         finished = self.wait(ranks, timeout)

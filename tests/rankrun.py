@@ -90,3 +90,20 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
             se += "\n[killed by the test: did not finish in time]"
         out.append((p.returncode, so, se))
     return out
+
+
+def ranks_report(results: list[tuple[int, str, str]]) -> str:
+    """Every rank's exit code, stdout and the end of its stderr: the message of a failed assertion."""
+    return "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2000:]}" for r, (rc, out, err) in enumerate(results))
+
+
+def assert_victim_named(results: list[tuple[int, str, str]], victim: int) -> None:
+    """After a rank died on purpose (a *_die_midway worker: exit code 17): every survivor exited 0 having
+    printed the PeerLostError it raised, naming the victim (or -1 where the loss had no single rank)."""
+    report = ranks_report(results)
+    for rank, (rc, out, _err) in enumerate(results):
+        if rank == victim:
+            assert rc == 17, report
+        else:
+            assert rc == 0, report
+            assert f"PeerLostError rank={victim}" in out or "PeerLostError rank=-1" in out, report

@@ -96,12 +96,7 @@ def _total_loss_case(hosts, inject) -> dict[int, float]:
     require every rank to end with CollectiveTimeout or PeerLostError within the deadline + 5 s."""
     timeout = 8.0
     ranks = hosts.start_ranks("test_multihost:mh_until_error", 2, env={"HETCCL_TIMEOUT": str(timeout)})
-    deadline = time.monotonic() + 60
-    while "started" not in ranks[0].stdout():
-        if any(rk.proc.poll() is not None for rk in ranks) or time.monotonic() > deadline:
-            hosts.kill(ranks)
-            raise AssertionError("ranks did not start their all_reduce loop\n" + hosts.report(ranks))
-        time.sleep(0.05)
+    hosts.wait_output(ranks, "started", 60, "ranks did not start their all_reduce loop")
     time.sleep(0.5)
     inject()
     t_loss = time.monotonic()

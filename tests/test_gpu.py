@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from gpu_marks import GPU_ENV, needs_1, needs_2
-from rankrun import run_ranks
+from rankrun import assert_victim_named, finish, ranks_report, run_ranks, spawn_ranks
 
 COUNTS = [0, 1, 7, 1000, 1 << 20]
 
@@ -40,43 +40,27 @@ def test_two_gpus_and_two_cpu_ranks() -> None:
               counts=[0, 1, 7, 1000, 100_003], dtypes=["float32", "bfloat16", "int64", "float16"])
 
 
-def _survivors_report(results: list[tuple[int, str, str]], victim: int) -> None:
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2000:]}" for r, (rc, out, err) in enumerate(results))
-    for rank, (rc, out, _err) in enumerate(results):
-        if rank == victim:
-            assert rc == 17, report
-        else:
-            assert rc == 0, report
-            assert f"PeerLostError rank={victim}" in out or "PeerLostError rank=-1" in out, report
-
-
 @needs_2
 @pytest.mark.timeout(120)
 def test_gpu_dead_peer_one_island() -> None:
-    from rankrun import finish, spawn_ranks
-
     procs = spawn_ranks(2, "gpu_workers:gpu_die_midway", env=dict(GPU_ENV, TEST_ISLANDS="nvidia,nvidia"), victim=1)
-    _survivors_report(finish(procs, 90), 1)
+    assert_victim_named(finish(procs, 90), 1)
 
 
 @needs_1
 @pytest.mark.timeout(120)
 def test_gpu_dead_peer_two_islands() -> None:
-    from rankrun import finish, spawn_ranks
-
     procs = spawn_ranks(2, "gpu_workers:gpu_die_midway", env=dict(GPU_ENV, TEST_ISLANDS="nvidia-a,nvidia-b"),
                         victim=1)
-    _survivors_report(finish(procs, 90), 1)
+    assert_victim_named(finish(procs, 90), 1)
 
 
 @needs_2
 @pytest.mark.timeout(120)
 def test_gpu_stuck_peer_watchdog() -> None:
-    from rankrun import finish, spawn_ranks
-
     procs = spawn_ranks(2, "gpu_workers:gpu_stuck_peer", env=dict(GPU_ENV, TEST_ISLANDS="nvidia,nvidia",
                                                                    HETCCL_TIMEOUT="5"))
     results = finish(procs, 90)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2000:]}" for r, (rc, out, err) in enumerate(results))
+    report = ranks_report(results)
     assert all(rc == 0 for rc, _, _ in results), report
     assert "watchdog timeout" in results[0][1], report

@@ -55,12 +55,7 @@ def test_link_down_ends_every_rank_with_an_error(hosts) -> None:
     within ~20 s with CollectiveTimeout or PeerLostError (the worker exits 0 only for a HetcclError)."""
     timeout = 5.0
     ranks = hosts.start_ranks("test_multihost:mh_until_error", PER_HOST, env={"HETCCL_TIMEOUT": str(timeout)})
-    deadline = time.monotonic() + 60
-    while "started" not in ranks[0].stdout():
-        if any(rk.proc.poll() is not None for rk in ranks) or time.monotonic() > deadline:
-            hosts.kill(ranks)
-            raise AssertionError("ranks did not start their all_reduce loop\n" + hosts.report(ranks))
-        time.sleep(0.05)
+    hosts.wait_output(ranks, "started", 60, "ranks did not start their all_reduce loop")
     time.sleep(0.5)  # a few more all_reduces in flight across the link
     hosts.exec(0, "ip", "link", "set", hosts.veth[0], "down")
     t_down = time.monotonic()

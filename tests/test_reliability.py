@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from rankrun import ROOT, finish, run_ranks, spawn_ranks
+from rankrun import ROOT, assert_victim_named, finish, ranks_report, run_ranks, spawn_ranks
 
 TRANSPORTS = {"shm": "shm,tcp", "tcp": "tcp"}
 
@@ -27,14 +27,7 @@ def test_dead_peer_raises_peer_lost(n: int, victim: int, transport: str) -> None
     10 s (checked inside the worker), and no shared-memory segment is left behind."""
     before = _shm_segments()
     procs = spawn_ranks(n, "workers:die_midway", env={"HETCCL_TRANSPORTS": TRANSPORTS[transport]}, victim=victim)
-    results = finish(procs, 60)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
-    for rank, (rc, out, _err) in enumerate(results):
-        if rank == victim:
-            assert rc == 17, report
-            continue
-        assert rc == 0, report
-        assert f"PeerLostError rank={victim}" in out or "PeerLostError rank=-1" in out, out
+    assert_victim_named(finish(procs, 60), victim)
     assert _shm_segments() <= before, _shm_segments() - before
 
 
@@ -105,7 +98,7 @@ def test_shrink_after_a_loss(n: int, victim: int, transport: str) -> None:
     procs = spawn_ranks(n, "workers:shrink_after_loss", env={"HETCCL_TRANSPORTS": TRANSPORTS[transport]},
                         victim=victim)
     results = finish(procs, 90)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
+    report = ranks_report(results)
     for rank, (rc, out, _err) in enumerate(results):
         if rank == victim:
             assert rc == 17, report
@@ -117,7 +110,7 @@ def test_shrink_after_a_loss(n: int, victim: int, transport: str) -> None:
 def test_abort_ends_collectives_in_flight() -> None:
     procs = spawn_ranks(2, "workers:abort_in_flight", env={"HETCCL_TIMEOUT": "30"})
     results = finish(procs, 40)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
+    report = ranks_report(results)
     assert all(rc == 0 for rc, _, _ in results), report
     assert "abort ok" in results[0][1], report
 
@@ -130,7 +123,7 @@ def test_hang_report_names_the_rank_behind(tmp_path, blocked: bool) -> None:
     procs = spawn_ranks(3, "workers:hang_report", env={"HETCCL_TIMEOUT": "10", "HETCCL_DUMP_DIR": str(tmp_path)},
                         blocked=blocked)
     results = finish(procs, 60)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-2500:]}" for r, (rc, out, err) in enumerate(results))
+    report = ranks_report(results)
     assert all(rc == 0 for rc, _, _ in results), report
     assert sum("hang report ok" in out for _, out, _ in results) == 2, report
     assert "hetccl hang report" in results[0][2], report  # logged on stderr without any logging set up

@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 from gpu_marks import GPU_ENV, NGPU, needs_1, needs_2
-from test_torch_backend import run_torch
+from test_torch_backend import close, run_torch
 
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
 CUDA_ENV = {"TORCH_TEST_DEVICE": "cuda", **GPU_ENV}
-
-
-def _close(got: list[float], want: list[float], tol: float, what: str) -> None:
-    assert len(got) == len(want), (what, got, want)
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert abs(a - b) <= tol * abs(b), f"{what} [{i}]: hetccl {a} vs reference {b}"
 
 
 @needs_1
@@ -60,7 +54,7 @@ def test_ddp_cuda_matches_reference(tmp_path, hook):
         losses[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(n)]
     for r in range(n):
         # the same kernels on both sides; 1e-5 leaves room for a reference that reduces in another order
-        _close(losses["hetccl"][r], losses[REFERENCE][r], 1e-5, f"rank {r} DDP losses (hook {hook})")
+        close(losses["hetccl"][r], losses[REFERENCE][r], 1e-5, f"rank {r} DDP losses (hook {hook})")
 
 
 @needs_2
@@ -83,5 +77,5 @@ def test_fsdp2_cuda_matches_nccl(tmp_path, variant):
         run_torch(n, "fsdp", backend, str(out), variant, env=CUDA_ENV, timeout=280)
         res[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(n)]
     for r in range(n):
-        _close(res["hetccl"][r]["losses"], res["nccl"][r]["losses"], 1e-5, f"rank {r} FSDP2 losses ({variant})")
-        _close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({variant})")
+        close(res["hetccl"][r]["losses"], res["nccl"][r]["losses"], 1e-5, f"rank {r} FSDP2 losses ({variant})")
+        close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({variant})")

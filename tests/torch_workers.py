@@ -278,6 +278,23 @@ def case_subgroup() -> None:
     dist.destroy_process_group()
 
 
+def _train(model: torch.nn.Module, dev: torch.device, r: int) -> list[float]:
+    """Three SGD steps on rank r's own random batches (16 features in, 4 out); the per-step losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + r)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
+        opt.zero_grad()
+        # in fp32 whatever the parameters' dtype (mse_loss's backward on CUDA rejects a bf16 input with an fp32
+        # target: "Found dtype Float but expected BFloat16")
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
     dev = _init(backend)
     r = dist.get_rank()
@@ -293,16 +310,7 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
         else:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
         ddp.register_comm_hook(None, getattr(hooks, f"{hook}_hook" if hook == "allreduce" else f"{hook}_compress_hook"))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + r)
-    losses = []
-    for _ in range(3):
-        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(ddp, dev, r)
     params = [p.detach().clone() for p in model.parameters()]
     for p in params:  # DDP keeps replicas identical
         ref = p.clone()
@@ -355,18 +363,7 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
                     m.set_force_sum_reduction_for_comms(True)
     if backend == "hetccl":
         assert dist.group.WORLD.group_name, "group name"  # what DeviceMesh reads
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + r)
-    losses = []
-    for _ in range(3):
-        x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
-        opt.zero_grad()
-        # in fp32 whatever the parameters' dtype (mse_loss's backward on CUDA rejects a bf16 input with an fp32
-        # target: "Found dtype Float but expected BFloat16")
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(model, dev, r)
     full = [p.full_tensor().detach() for p in model.parameters()]  # gathers the shards: identical everywhere
     for p in full:
         ref = p.clone()

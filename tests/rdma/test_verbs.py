@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from rankrun import finish, run_ranks, spawn_ranks
+from rankrun import assert_victim_named, finish, run_ranks, spawn_ranks
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,14 +66,7 @@ def test_dead_peer_raises_peer_lost(n: int, victim: int) -> None:
     """kill -9 equivalent (os._exit) of one rank between all_reduces: every survivor raises PeerLostError
     naming it, no hang."""
     procs = spawn_ranks(n, "verbs_workers:die_midway", env=verbs_env(), victim=victim)
-    results = finish(procs, 240)
-    report = "\n".join(f"--- rank {r} rc={rc}\n{out}{err[-1500:]}" for r, (rc, out, err) in enumerate(results))
-    for rank, (rc, out, _err) in enumerate(results):
-        if rank == victim:
-            assert rc == 17, report
-            continue
-        assert rc == 0, report
-        assert f"PeerLostError rank={victim}" in out or "PeerLostError rank=-1" in out, report
+    assert_victim_named(finish(procs, 240), victim)
 
 
 @pytest.mark.timeout(300)
