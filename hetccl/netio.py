@@ -34,22 +34,40 @@ async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: in
 
 
 async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[Any],
-                   peer: int = -1) -> None:
-    """Send every part in order; first try one sendmsg syscall, then let the loop finish the rest."""
+                   peer: int = -1, progress: list[int] | None = None) -> None:
+    """Send every part in order, one sendmsg per socket wake-up. `progress[0]`, when given, counts the bytes of
+    `parts` handed to the kernel so far, exact even when the caller is cancelled mid-way (TcpEndpoint uses it to
+    finish a frame that a cancellation cut short)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    total = sum(len(v) for v in views)
+    done, i = 0, 0
     try:
-        try:
-            sent = sock.sendmsg(parts)
-        except BlockingIOError:
-            sent = 0
-        for part in parts:
-            mv = memoryview(part).cast("B")
-            if sent >= len(mv):
-                sent -= len(mv)
+        while done < total:
+            try:
+                sent = sock.sendmsg(views[i:])
+            except BlockingIOError:
+                await _writable(loop, sock)
                 continue
-            await loop.sock_sendall(sock, mv[sent:])
-            sent = 0
+            done += sent
+            if progress is not None:
+                progress[0] = done
+            while i < len(views) and sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            if sent:
+                views[i] = views[i][sent:]
     except (ConnectionError, OSError) as exc:
         raise PeerLostError(f"sending to rank {peer} failed: {exc}", peer) from None
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut = loop.create_future()
+    fd = sock.fileno()
+    loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
 
 
 async def read_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, max_bytes: int,

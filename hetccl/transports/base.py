@@ -300,7 +300,9 @@ class Matcher:
             self.on_stash(self.peer, fp)
 
     async def wait_room(self, nbytes: int, timeout: float) -> None:
-        while not self.has_room(nbytes):
+        """Until the early buffer has room for nbytes, or the matcher has failed (the frame is then dropped: a
+        failed peer's reader must keep draining, or the peer's sender, its goodbye included, would stall)."""
+        while not self.has_room(nbytes) and self.error is None:
             self._space.clear()
             await asyncio.wait_for(self._space.wait(), timeout)
 
@@ -316,7 +318,11 @@ class Matcher:
                 req.fut.cancel()
 
     def fail_all(self, exc: BaseException) -> None:
-        self.error = exc
+        """Fail every pending and later receive. The first error stays: when one rank's loss makes others close
+        their connections, what pending work lost is that first rank, not the ranks that left because of it."""
+        if self.error is None:
+            self.error = exc
+        exc = self.error
         posted, self.posted = self.posted, {}
         for req in posted.values():
             if not req.fut.done():

@@ -22,6 +22,17 @@ from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportConte
 from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
+LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
+
+
+def _unsent(parts: list[Any], sent: int) -> bytes:
+    """A copy of what is left of `parts` after their first `sent` bytes."""
+    out = []
+    for p in parts:
+        mv = memoryview(p).cast("B")
+        out.append(bytes(mv[sent:]) if sent < len(mv) else b"")
+        sent = max(0, sent - len(mv))
+    return b"".join(out)
 
 
 class TcpEndpoint(Endpoint):
@@ -35,24 +46,54 @@ class TcpEndpoint(Endpoint):
         self._send_lock = asyncio.Lock()
         self._scratch = np.empty(0, np.uint8)
         self._closed = False
+        self._finishing: asyncio.Task[None] | None = None
         self._reader = self.loop.create_task(self._read_loop())
 
     async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
         if self.matcher.error is not None:
             raise self.matcher.error
         hdr = pack_data_header(fp, tag, len(src))
-        async with self._send_lock:
-            try:
-                await send_all(self.loop, self.sock, [hdr, src] if len(src) else [hdr], self.peer)
-            except BaseException as exc:
-                # a frame cut short (cancelled, failed) leaves the byte stream unframed: the connection is
-                # unusable from here on, for every collective
-                err = exc if isinstance(exc, PeerLostError) else PeerLostError(
-                    f"rank {self.matcher.me}: send to rank {self.peer} was interrupted; connection dropped", self.peer)
-                self.sock.close()
-                self.matcher.fail_all(err)
-                self.transport.ctx.on_peer_lost(self.peer, err)
-                raise
+        parts = [hdr, src] if len(src) else [hdr]
+        progress = [0]
+        await self._send_lock.acquire()
+        try:
+            await send_all(self.loop, self.sock, parts, self.peer, progress)
+        except asyncio.CancelledError:
+            # The collective ended (an error elsewhere, its deadline) mid-frame. A frame cut short would leave the
+            # stream unframed and the connection unusable, and the goodbye that names the rank really lost could
+            # not follow. Finish the frame in the background with the bytes it was meant to carry (copied now:
+            # the caller may reuse its buffer), holding the lock until then.
+            rest = _unsent(parts, progress[0]) if progress[0] else b""
+            if rest:
+                self._finishing = self.loop.create_task(self._finish_frame(rest))
+            else:
+                self._send_lock.release()
+            raise
+        except BaseException as exc:
+            self._send_lock.release()
+            self._drop(exc)
+            first = self.matcher.error  # a loss seen before this one is the cause: report that
+            if isinstance(first, PeerLostError) and isinstance(exc, PeerLostError) and first is not exc:
+                raise first from exc
+            raise
+        self._send_lock.release()
+
+    async def _finish_frame(self, rest: bytes) -> None:
+        try:
+            async with asyncio.timeout(min(self.timeout, 10.0)):
+                await send_all(self.loop, self.sock, [rest], self.peer)
+        except BaseException as exc:  # noqa: BLE001 - the peer did not take it in time: give the connection up
+            self._drop(exc)
+        finally:
+            self._send_lock.release()
+
+    def _drop(self, exc: BaseException) -> None:
+        """A frame could not be completed: the connection is unusable from here on, for every collective."""
+        err = exc if isinstance(exc, PeerLostError) else PeerLostError(
+            f"rank {self.matcher.me}: send to rank {self.peer} was interrupted; connection dropped", self.peer)
+        self.sock.close()
+        self.matcher.fail_all(err)
+        self.transport.ctx.on_peer_lost(self.peer, err)
 
     def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any = None) -> asyncio.Future:
         return self.matcher.post(fp, tag, dst, reduce)
@@ -116,18 +157,36 @@ class TcpEndpoint(Endpoint):
             if not isinstance(exc, HetcclError):
                 log.error("hetccl tcp: rank %d reader for rank %d failed: %r", m.me, peer, exc, exc_info=True)
                 exc = PeerLostError(f"rank {m.me}: connection to rank {peer} broke: {exc!r}", peer)
-            if not self._closed:
-                if isinstance(exc, PeerLostError):
-                    exc = PeerLostError(f"rank {m.me} lost rank {peer}: {exc}", peer)
-                log.debug("hetccl tcp: rank %d -> %d reader ends: %s", m.me, peer, exc)
-            m.fail_all(exc if not self._closed else PeerLostError("communicator closed", peer))
-            if not self._closed:
-                self.transport.ctx.on_peer_lost(peer, exc)
+            if self._closed:
+                m.fail_all(PeerLostError("communicator closed", peer))
+                return
+            if isinstance(exc, PeerLostError):
+                exc = PeerLostError(f"rank {m.me} lost rank {peer}: {exc}", peer)
+            log.debug("hetccl tcp: rank %d -> %d reader ends: %s", m.me, peer, exc)
+            # One loop turn later: a control frame read just before (a goodbye naming the rank really lost) is
+            # handed to the fabric by a future callback, which must run first.
+            loop.call_soon(self._reader_failed, exc)
+
+    def _reader_failed(self, exc: BaseException) -> None:
+        self.matcher.fail_all(exc)
+        if not self._closed:
+            self.transport.ctx.on_peer_lost(self.peer, exc)
 
     async def close(self) -> None:
+        """Finish a cut frame, send FIN, and read on until the peer's FIN (bounded) before closing: a socket
+        closed with unread data sends RST, and RST makes the peer's kernel discard what it had not yet read, such
+        as this rank's goodbye naming the rank really lost."""
         if self._closed:
             return
         self._closed = True
+        if self._finishing is not None:  # bounded by its own deadline
+            with contextlib.suppress(BaseException):
+                await self._finishing
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+        if not self._reader.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(self._reader), min(self.timeout, LINGER_S))
         self._reader.cancel()
         with contextlib.suppress(BaseException):
             await self._reader
@@ -180,6 +239,5 @@ class TcpTransport(Transport):
 
     async def close(self) -> None:
         self._listener.close()
-        for ep in self._endpoints:
-            await ep.close()
+        await asyncio.gather(*(ep.close() for ep in self._endpoints))
         self._endpoints.clear()

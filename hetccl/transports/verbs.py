@@ -825,6 +825,7 @@ class VerbsEndpoint(Endpoint):
         if self.error is None:
             self.error = exc
         self.matcher.fail_all(exc)
+        exc = self.matcher.error or exc  # the first error stays (Matcher.fail_all)
         cur = self.cur  # a receive half delivered is no longer in matcher.posted: fail it too
         if cur is not None and cur[4] == "direct" and not cur[5].fut.done():
             cur[5].fut.set_exception(exc)

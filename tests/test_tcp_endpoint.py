@@ -1,0 +1,110 @@
+"""The TCP endpoint's framing under failure, on a real kernel socket pair (no fabric, no fakes):
+
+* a send cancelled mid-frame (its collective ended) still completes the frame, so the connection stays usable
+  and a later frame (a goodbye naming the rank really lost) arrives intact;
+* a reader whose matcher has failed keeps draining, even when its early-message buffer is full, so a peer's
+  sender never stalls behind it;
+* the first error of an endpoint stays: the loss that came first is what pending and later receives report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import numpy as np
+import pytest
+
+from hetccl.config import Settings
+from hetccl.errors import PeerLostError
+from hetccl.transports.base import Matcher, TransportContext
+from hetccl.transports.tcp import TcpEndpoint, TcpTransport
+from hetccl.wire import CollOp, Fingerprint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _transport(rank: int, lost: list[tuple[int, BaseException]]) -> TcpTransport:
+    settings = dataclasses.replace(Settings.from_env({"HETCCL_TIMEOUT": "20"}), unexpected_bytes=1 << 20)
+    ctx = TransportContext(rank=rank, size=2, job="t", host_id="h", settings=settings, store=None,  # type: ignore[arg-type]
+                           bind_host="127.0.0.1", on_peer_lost=lambda p, e: lost.append((p, e)))
+    return TcpTransport(ctx)
+
+
+def _pair(sndbuf: int = 1 << 16) -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf)
+        s.setblocking(False)
+    return a, b
+
+
+def _fp(seq: int) -> Fingerprint:
+    return Fingerprint(0, seq, CollOp.ALL_REDUCE, 0, 0)
+
+
+async def test_cancelled_send_finishes_its_frame() -> None:
+    lost: list[tuple[int, BaseException]] = []
+    sa, sb = _pair()
+    a = TcpEndpoint(_transport(0, lost), 1, sa)
+    a._reader.cancel()  # rank 0 only sends here
+    big = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)  # 4 MiB: far more than the socket buffers hold
+    send = asyncio.ensure_future(a.send(_fp(1), 7, big))
+    await asyncio.sleep(0.2)  # nobody reads yet: the frame is cut somewhere in the middle
+    assert not send.done()
+    send.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await send
+    assert a._finishing is not None and not a._finishing.done()
+    big_copy = big.copy()
+    big[:] = 0  # the caller reuses its buffer at once: what is left of the frame must not change
+    b = TcpEndpoint(_transport(1, lost), 0, sb)  # rank 1 starts reading now
+    got1 = np.empty_like(big)
+    got2 = np.empty(16, np.uint8)
+    f1 = b.post_recv(_fp(1), 7, got1)
+    f2 = b.post_recv(_fp(2), 7, got2)
+    await a.send(_fp(2), 7, np.arange(16, dtype=np.uint8))  # queued behind the rest of the cut frame
+    await asyncio.wait_for(asyncio.gather(f1, f2), 10)
+    assert np.array_equal(got1, big_copy)
+    assert np.array_equal(got2, np.arange(16, dtype=np.uint8))
+    assert lost == [] and a.matcher.error is None and b.matcher.error is None
+    await asyncio.gather(a.close(), b.close())  # each waits for the other's FIN
+
+
+async def test_failed_reader_drains_a_full_early_buffer() -> None:
+    lost: list[tuple[int, BaseException]] = []
+    sa, sb = _pair()
+    a = TcpEndpoint(_transport(0, lost), 1, sa)
+    b = TcpEndpoint(_transport(1, lost), 0, sb)
+    chunk = np.ones(1 << 19, np.uint8)  # 512 KiB; the early buffer holds 1 MiB
+    for seq in range(1, 3):  # nobody posts these: they fill the early buffer
+        await asyncio.wait_for(a.send(_fp(seq), 7, chunk), 5)
+    tail = asyncio.ensure_future(a.send(_fp(3), 7, np.ones(4 << 20, np.uint8)))  # finds no room: reader waits
+    await asyncio.sleep(0.3)
+    assert not tail.done()  # stalled: rank 1 stopped reading
+    b.fail(PeerLostError("rank 1 lost rank 5", 5))  # a third rank died: rank 1 gives up its collectives
+    await asyncio.wait_for(tail, 5)  # rank 1's reader drops what it can no longer use, and reads on
+    ok = np.arange(8, dtype=np.uint8)
+    await a.send(_fp(4), 7, ok)
+    await asyncio.sleep(0.1)
+    assert b._reader.done() is False and lost == []
+    await asyncio.gather(a.close(), b.close())  # each waits for the other's FIN
+
+
+def test_first_error_stays() -> None:
+    m = Matcher(0, 1, 1 << 20)
+
+    async def body() -> None:
+        first, later = PeerLostError("rank 0 lost rank 2", 2), PeerLostError("rank 1 closed", 1)
+        pending = m.post(_fp(1), 7, np.empty(4, np.uint8), None)
+        m.fail_all(first)
+        m.fail_all(later)
+        with pytest.raises(PeerLostError) as e1:
+            await pending
+        with pytest.raises(PeerLostError) as e2:
+            await m.post(_fp(2), 7, np.empty(4, np.uint8), None)
+        assert e1.value is first and e2.value is first
+
+    asyncio.run(body())
