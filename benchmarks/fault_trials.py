@@ -13,6 +13,10 @@ number of iterations but stays alive; every other rank must raise CollectiveTime
 (3 s) + 2 s of the stuck rank's last collective, and exit; then the driver kills the stuck rank.
 
     python benchmarks/fault_trials.py --trials 20 --stuck-trials 5 --out benchmarks/results/faults.md
+    python benchmarks/fault_trials.py --transports tcp --ranks 4 --victim 0 --trials 10 --stuck-trials 0
+
+The second form is the case where attribution is hardest: the store's host dies, and each survivor closes its
+connections as soon as it sees that; the others must still name rank 0, not the survivor that left first.
 
 Prints a table per trial and a summary line "shm 20/20, tcp 20/20"; exits 1 if any trial failed.
 """
@@ -60,9 +64,10 @@ def _start(job: Job, n: int, res: dict) -> tuple[str, set[int]] | None:
     return ready[0]["job"], {job.store_port} | {ev["tcp_port"] for ev in ready.values() if ev.get("tcp_port")}
 
 
-def dead_peer_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
-    n = rng.randint(2, 4)
-    victim = rng.randrange(n)
+def dead_peer_trial(transport: str, rng: random.Random, workdir: Path, ranks: int | None = None,
+                    victim: int | None = None) -> dict:
+    n = ranks if ranks is not None else rng.randint(2, 4)
+    victim = victim if victim is not None else rng.randrange(n)
     delay = round(rng.uniform(0.1, 2.0), 2)
     res = {"kind": "kill -9", "transport": transport, "n": n, "victim": victim, "moment": f"+{delay:.2f} s",
            "ok": False, "why": "", "detect": None, "exit": None}
@@ -115,6 +120,10 @@ def _judge(job: Job, ranks: list[int], t0: float, expect: tuple[str, int | None]
             done.append(exited[r] - t0)
             if job.procs[r].returncode != 0:
                 why.append(f"rank {r} exited {job.procs[r].returncode}")
+    hung = [r for r in ranks if job.procs[r].poll() is None]
+    if hung:
+        job.dump_stacks(hung)
+        why.append(f"stacks of ranks {hung} in their rank*.err")
     job.kill_all()
     left = _leftovers(job, jobid, ports)
     if left:
@@ -163,10 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="dead-peer trials per transport")
     ap.add_argument("--stuck-trials", type=int, default=3, help="stuck-rank trials per transport")
     ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--ranks", type=int, default=None, help="dead-peer trials: job size (default: 2-4, random)")
+    ap.add_argument("--victim", type=int, default=None, help="dead-peer trials: the rank killed (default: random)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write a markdown report here")
     ap.add_argument("--keep", action="store_true", help="keep every trial's rank output (failed ones always are)")
     args = ap.parse_args(argv)
+    if args.ranks is not None and not 2 <= args.ranks <= 64:
+        ap.error("--ranks must be 2-64")
+    if args.victim is not None and not 0 <= args.victim < (args.ranks or 2):
+        ap.error("--victim must be a rank of the job: below --ranks (below 2 when the job size is random)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)
     transports = [t for t in args.transports.split(",") if t]
@@ -188,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for i, (kind, t) in enumerate(plan, 1):
         wd = base / f"{i:03d}-{kind}-{t}"
-        res = (dead_peer_trial if kind == "dead" else stuck_trial)(t, rng, wd)
+        res = (dead_peer_trial(t, rng, wd, args.ranks, args.victim) if kind == "dead" else
+               stuck_trial(t, rng, wd))
         results.append(res)
         if res["ok"] and not args.keep:
             shutil.rmtree(wd, ignore_errors=True)

@@ -25,12 +25,18 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 RANK_MAIN = r"""
-import importlib, json, sys
+import asyncio, faulthandler, importlib, json, signal, sys
 sys.path.insert(0, {here!r})
 import hetccl
 mod, fn = {target!r}.split(":")
 kwargs = json.loads({kwargs!r})
+faulthandler.register(signal.SIGUSR2)  # Job.dump_stacks: the threads' stacks, even with the loop blocked
+def dump_tasks():
+    for t in asyncio.all_tasks():
+        t.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
 async def main():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)  # and every asyncio task's
     comm = await hetccl.init()
     await getattr(importlib.import_module(mod), fn)(comm, **kwargs)
 hetccl.run(main())
@@ -184,6 +190,16 @@ class Job:
             if len(seen) == len(ranks) or time.monotonic() > deadline:
                 return seen
             time.sleep(0.01)
+
+    def dump_stacks(self, ranks: list[int]) -> None:
+        """Ask ranks still running to print their asyncio tasks and threads' stacks to their stderr file (a
+        hung rank's post-mortem), and give them a moment to do it."""
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            for r in ranks:
+                if self.procs[r].poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.procs[r].pid, sig)
+            time.sleep(0.5)
 
     def kill(self, rank: int) -> None:
         with contextlib.suppress(ProcessLookupError):

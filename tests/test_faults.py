@@ -41,6 +41,17 @@ def test_fault_trials_short() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_fault_trials_store_host_killed() -> None:
+    """4 ranks over TCP, rank 0 (the store's host) killed, 4 times: every survivor names rank 0. Survivors close
+    their connections as soon as they see the loss; before cut frames were finished, goodbyes read before the
+    EOF and closes that wait for the peer's FIN, 3 trials of 12 blamed a survivor (measured)."""
+    proc = _script("fault_trials.py", "--transports", "tcp", "--ranks", "4", "--victim", "0", "--trials", "4",
+                   "--stuck-trials", "0", timeout=180)
+    assert "tcp 4/4" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_fuzz_control_short() -> None:
     """300 hostile connections per port (store, data) plus 150 malformed store requests against a live job:
     every one refused, the job's results stay correct, RSS bounded."""
