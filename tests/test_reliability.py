@@ -32,6 +32,16 @@ def test_dead_peer_raises_peer_lost(n: int, victim: int, transport: str) -> None
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_dead_peer_mid_message(transport: str) -> None:
+    """The sender dies after the first fragments of a 256 MiB message: the receive already under way fails at
+    once with PeerLostError naming it (the deadline is 60 s, so only the loss can end it in time)."""
+    procs = spawn_ranks(2, "workers:die_mid_message", victim=1,
+                        env={"HETCCL_TRANSPORTS": TRANSPORTS[transport], "HETCCL_TIMEOUT": "60"})
+    assert_victim_named(finish(procs, 40), 1)
+
+
+@pytest.mark.timeout(60)
 def test_missing_rank_times_out() -> None:
     """World size 2 but only rank 0 starts: init raises CollectiveTimeout after HETCCL_TIMEOUT."""
     with socket.socket() as s:

@@ -255,6 +255,33 @@ async def die_midway(comm: hetccl.Communicator, victim: int) -> None:
     os._exit(5)
 
 
+async def die_mid_message(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim dies with a large point-to-point message to the other rank half delivered: the receiver,
+    whose receive has already taken the first fragments, must raise PeerLostError naming it (well before the
+    60 s deadline), not wait for the rest."""
+    import threading
+
+    other = 1 - victim
+    big = np.ones(64 << 20, np.float32)  # 256 MiB: tens of ms to move, far longer than the victim lives
+    await comm.barrier()
+    if comm.rank == victim:
+        await asyncio.sleep(0.05)  # the receive is posted by now
+        threading.Timer(0.003, os._exit, (17,)).start()  # fires even while the loop is inside a long copy
+        await comm.send(big, other)
+        await asyncio.sleep(10)
+        os._exit(6)  # the timer never fired
+    t0 = time.monotonic()
+    try:
+        await comm.recv(big, victim)
+    except hetccl.PeerLostError as exc:
+        took = time.monotonic() - t0
+        assert took < 10, f"took {took:.1f} s"
+        print(f"rank {comm.rank}: PeerLostError rank={exc.rank}: {exc}", flush=True)
+        os._exit(0 if exc.rank == victim else 3)
+    print(f"rank {comm.rank}: the whole message arrived", flush=True)
+    os._exit(5)
+
+
 async def missing_rank(**_: object) -> None:
     """World size 2 but rank 1 never starts: rank 0's init must fail with CollectiveTimeout."""
     t0 = time.monotonic()
