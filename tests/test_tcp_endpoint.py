@@ -4,7 +4,9 @@
   and a later frame (a goodbye naming the rank really lost) arrives intact;
 * a reader whose matcher has failed keeps draining, even when its early-message buffer is full, so a peer's
   sender never stalls behind it;
-* the first error of an endpoint stays: the loss that came first is what pending and later receives report.
+* the first error of an endpoint stays: the loss that came first is what pending and later receives report;
+* a communicator poisoned by a mismatch fails receives posted after the notice, not only those pending;
+* a control frame that arrives before the fabric installs its handler is held, not dropped.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import numpy as np
 import pytest
 
 from hetccl.config import Settings
-from hetccl.errors import PeerLostError
-from hetccl.transports.base import Matcher, TransportContext
+from hetccl.errors import CollectiveMismatchError, PeerLostError
+from hetccl.transports.base import NOTICE_TAG, Matcher, TransportContext
 from hetccl.transports.tcp import TcpEndpoint, TcpTransport
 from hetccl.wire import CollOp, Fingerprint
 
@@ -106,5 +108,42 @@ def test_first_error_stays() -> None:
         with pytest.raises(PeerLostError) as e2:
             await m.post(_fp(2), 7, np.empty(4, np.uint8), None)
         assert e1.value is first and e2.value is first
+
+    asyncio.run(body())
+
+
+def test_poisoned_comm_fails_later_posts() -> None:
+    """A mismatch notice may land after a collective checked its communicator but before it posted a receive:
+    that receive must fail at once too, not wait for data the odd rank will never send."""
+    m = Matcher(0, 1, 1 << 20)
+
+    async def body() -> None:
+        exc = CollectiveMismatchError("rank 1 runs all_reduce #0 op=max, rank 0 op=sum")
+        m.cancel_comm(0, exc)
+        with pytest.raises(CollectiveMismatchError) as err:
+            await asyncio.wait_for(m.post(_fp(3), 7, np.empty(4, np.uint8), None), 1)
+        assert err.value is exc
+        other = Fingerprint(5, 0, CollOp.ALL_REDUCE, 0, 0)  # other communicators are untouched
+        assert not m.post(other, 7, np.empty(4, np.uint8), None).done()
+
+    asyncio.run(body())
+
+
+def test_notice_before_the_fabric_is_ready_is_held() -> None:
+    """A fast peer's mismatch notice can arrive while this rank is still in init, before the fabric installs its
+    handler: it is held and handed over then, not dropped (the rank would otherwise wait for its deadline)."""
+    m = Matcher(2, 1, 1 << 20)
+    got: list[tuple[int, bytes, int]] = []
+
+    async def body() -> None:
+        req = m.take(_fp(0), NOTICE_TAG, 5)
+        assert req is not None and req is not False
+        req.dst[:] = np.frombuffer(b"hello", np.uint8)
+        req.fut.set_result(None)
+        await asyncio.sleep(0)
+        assert got == []
+        m.on_notice = lambda peer, fp, payload, tag: got.append((peer, payload, tag))
+        assert got == [(1, b"hello", NOTICE_TAG)]
+        assert m.take(_fp(1), NOTICE_TAG, 1 << 20) is False  # over the bound: still refused
 
     asyncio.run(body())

@@ -141,6 +141,7 @@ REPORT_TAG = 0xFFFD << 48
 GOODBYE_TAG = 0xFFFC << 48
 CONTROL_TAGS = (NOTICE_TAG, REPORT_TAG, GOODBYE_TAG)
 NOTICE_MAX_BYTES = 4096
+HELD_NOTICES = 64  # control frames kept per peer while the fabric has not yet installed its handler
 
 
 class RecvRequest:
@@ -180,11 +181,26 @@ class Matcher:
         self._space = asyncio.Event()
         self._free: list[np.ndarray] = []  # recycled early-message buffers: no allocation per message
         self.withdrawn: deque[tuple[int, int]] = deque(maxlen=256)  # recently failed collectives
-        # set by the fabric: called with (peer, fingerprint, payload bytes) for a mismatch notice
-        self.on_notice: Callable[[int, Fingerprint, bytes, int], None] | None = None
+        # set by the fabric (the on_notice property): called with (peer, fingerprint, payload bytes, tag) for a
+        # control frame; frames that arrive before that (a fast peer's notice while this rank is still in init)
+        # are held, at most HELD_NOTICES, and handed over when it is set
+        self._on_notice: Callable[[int, Fingerprint, bytes, int], None] | None = None
+        self._held: list[tuple[Fingerprint, bytes, int]] = []
         # set by the fabric: called with (peer, fingerprint) when a frame is kept as early data
         self.on_stash: Callable[[int, Fingerprint], None] | None = None
         self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
+        self.poisoned: dict[int, BaseException] = {}  # communicators made unusable by a mismatch (cancel_comm)
+
+    @property
+    def on_notice(self) -> Callable[[int, Fingerprint, bytes, int], None] | None:
+        return self._on_notice
+
+    @on_notice.setter
+    def on_notice(self, sink: Callable[[int, Fingerprint, bytes, int], None] | None) -> None:
+        self._on_notice = sink
+        held, self._held = self._held, []
+        for fp, payload, tag in held if sink is not None else ():
+            sink(self.peer, fp, payload, tag)
 
     def alloc(self, nbytes: int) -> np.ndarray:
         """A buffer for an early message (returned to the pool once delivered)."""
@@ -202,6 +218,9 @@ class Matcher:
         fut = asyncio.get_running_loop().create_future()
         if self.error is not None:
             fut.set_exception(self.error)
+            return fut
+        if self.poisoned and fp.comm in self.poisoned:
+            fut.set_exception(self.poisoned[fp.comm])
             return fut
         key = (fp.comm, fp.seq, tag)
         early = self.early.pop(key, None)
@@ -259,17 +278,27 @@ class Matcher:
     def _notice(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | bool:
         """A receive for a control message (mismatch notice, report request): read it whole, then hand it to
         the fabric."""
-        if nbytes > NOTICE_MAX_BYTES or self.on_notice is None:
+        if nbytes > NOTICE_MAX_BYTES or self._on_notice is None and len(self._held) >= HELD_NOTICES:
             return DROP
         fut = asyncio.get_running_loop().create_future()
         req = RecvRequest(fp, np.empty(nbytes, np.uint8), None, fut)
-        sink, peer = self.on_notice, self.peer
-        fut.add_done_callback(lambda f: sink(peer, fp, bytes(req.dst), tag) if not f.cancelled() and
-                              f.exception() is None else None)
+
+        def delivered(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            if self._on_notice is None:
+                self._held.append((fp, bytes(req.dst), tag))
+            else:
+                self._on_notice(self.peer, fp, bytes(req.dst), tag)
+
+        fut.add_done_callback(delivered)
         return req
 
     def cancel_comm(self, comm: int, exc: BaseException) -> None:
-        """Fail every receive posted for any collective of one communicator."""
+        """Fail every receive posted for any collective of one communicator, and every one posted later: a
+        mismatch notice can arrive after a collective checked its communicator and before it posted its
+        receives, which would then wait for data the odd rank will never send."""
+        self.poisoned.setdefault(comm, exc)
         for seq in {k[1] for k in self.posted if k[0] == comm}:
             self.cancel(comm, seq, exc)
 
