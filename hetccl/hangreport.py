@@ -146,8 +146,11 @@ def analyse(comm: Communicator, fp: Fingerprint, waited: float, answers: dict[in
                 entry["state"] = (f"inside #{fp.seq}" + (f", waiting for data from ranks {c['waiting_for']}"
                                                          if c["waiting_for"] else ""))
             else:
-                entry["state"] = f"finished #{fp.seq}" + (f", now inside {', '.join(entry['running'])}"
-                                                          if running else "")
+                mine = next((x for x in c["recent"] if x["seq"] == fp.seq), None)
+                failed = mine is not None and mine["state"] == "failed" and mine["took_s"] is not None  # timed out too
+                entry["state"] = (f"gave up on #{fp.seq} (failed after {mine['took_s']:.1f} s)" if failed
+                                  else f"finished #{fp.seq}") + (f", now inside {', '.join(entry['running'])}"
+                                                                 if running else "")
         ranks.append(entry)
     behind = [e["rank"] for e in ranks if e.get("behind")]
     silent = [e["rank"] for e in ranks if "host" not in e]

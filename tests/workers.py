@@ -505,7 +505,8 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
     rep = json.loads(files[0].read_text())
     r2 = rep["ranks"][2]
     assert (("host" not in r2) if blocked else r2["behind"]), rep
-    assert rep["ranks"][1 - comm.rank]["state"].startswith("inside #1"), rep
+    # the other reporter is still inside #1, or (under load) timed out a moment earlier and says so
+    assert rep["ranks"][1 - comm.rank]["state"].startswith(("inside #1", "gave up on #1 (failed after")), rep
     os.write(1, f"hang report ok rank {comm.rank}: {r2['state']}\n".encode())
     await asyncio.sleep(6)  # the other reporter may still be gathering: leaving now would fail it
     os._exit(0)
