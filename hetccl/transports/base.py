@@ -190,6 +190,7 @@ class Matcher:
         self.on_stash: Callable[[int, Fingerprint], None] | None = None
         self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
         self.poisoned: dict[int, BaseException] = {}  # communicators made unusable by a mismatch (cancel_comm)
+        self.taken: RecvRequest | None = None  # the last receive take() handed out (frames of a peer come in order)
 
     @property
     def on_notice(self) -> Callable[[int, Fingerprint, bytes, int], None] | None:
@@ -273,6 +274,7 @@ class Matcher:
             req.fut.exception()
             self.cancel(fp.comm, fp.seq, req.fut.exception())
             return DROP
+        self.taken = req  # being filled by the transport: no longer in posted, but fail_all must still reach it
         return req
 
     def _notice(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | bool:
@@ -353,6 +355,9 @@ class Matcher:
             self.error = exc
         exc = self.error
         posted, self.posted = self.posted, {}
+        if self.taken is not None:  # a message half delivered when the peer died
+            posted[None] = self.taken  # type: ignore[index]
+            self.taken = None
         for req in posted.values():
             if not req.fut.done():
                 req.fut.set_exception(exc)

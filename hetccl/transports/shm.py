@@ -224,14 +224,8 @@ class ShmEndpoint(Endpoint):
         return _ShmRecv(fut, self.tr, self.peer)
 
     def fail(self, exc: BaseException) -> None:
-        self.matcher.fail_all(exc)
+        self.matcher.fail_all(exc)  # a message half delivered included (Matcher.taken)
         exc = self.matcher.error or exc  # the first error stays (Matcher.fail_all)
-        ring = self.tr.in_rings.get(self.peer)
-        cur = ring.cur if ring is not None else None
-        if cur is not None and cur[0] is not None and not cur[0].fut.done():
-            # a message half delivered: its receive was taken from the matcher, so fail_all did not reach it
-            cur[0].fut.set_exception(exc)
-            cur[0].fut.exception()
         while self.sendq:
             item = self.sendq.popleft()
             if item[3] is not None and not item[3].done():

@@ -35,13 +35,6 @@ def _unsent(parts: list[Any], sent: int) -> bytes:
     return b"".join(out)
 
 
-def _fail_taken(req: Any, exc: BaseException | None) -> None:
-    """Fail a receive the reader had taken (a frame half read when the connection ended)."""
-    if req is not None and req is not DROP and exc is not None and not req.fut.done():
-        req.fut.set_exception(exc)
-        req.fut.exception()
-
-
 class TcpEndpoint(Endpoint):
     def __init__(self, transport: TcpTransport, peer: int, sock: socket.socket):
         self.transport, self.peer, self.sock = transport, peer, sock
@@ -120,7 +113,6 @@ class TcpEndpoint(Endpoint):
         hdr = bytearray(DATA_HEADER.size)
         hdr_mv = memoryview(hdr)
         loop, sock, peer, m = self.loop, self.sock, self.peer, self.matcher
-        req: Any = None  # the receive being filled: taken from the matcher, so fail_all no longer reaches it
         try:
             while True:
                 await recv_into_exact(loop, sock, hdr_mv, peer)
@@ -160,7 +152,6 @@ class TcpEndpoint(Endpoint):
                     m.land(fp, tag, data)  # its receive may have been posted while we were reading
         except asyncio.CancelledError:
             m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
-            _fail_taken(req, m.error)
             raise
         except Exception as exc:  # noqa: BLE001 - a dying reader must fail its receives, whatever killed it
             if not isinstance(exc, HetcclError):
@@ -168,18 +159,16 @@ class TcpEndpoint(Endpoint):
                 exc = PeerLostError(f"rank {m.me}: connection to rank {peer} broke: {exc!r}", peer)
             if self._closed:
                 m.fail_all(PeerLostError("communicator closed", peer))
-                _fail_taken(req, m.error)
                 return
             if isinstance(exc, PeerLostError):
                 exc = PeerLostError(f"rank {m.me} lost rank {peer}: {exc}", peer)
             log.debug("hetccl tcp: rank %d -> %d reader ends: %s", m.me, peer, exc)
             # One loop turn later: a control frame read just before (a goodbye naming the rank really lost) is
             # handed to the fabric by a future callback, which must run first.
-            loop.call_soon(self._reader_failed, exc, req)
+            loop.call_soon(self._reader_failed, exc)
 
-    def _reader_failed(self, exc: BaseException, taken: Any) -> None:
+    def _reader_failed(self, exc: BaseException) -> None:
         self.matcher.fail_all(exc)
-        _fail_taken(taken, self.matcher.error)
         if not self._closed:
             self.transport.ctx.on_peer_lost(self.peer, exc)
 

@@ -824,12 +824,8 @@ class VerbsEndpoint(Endpoint):
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-        self.matcher.fail_all(exc)
+        self.matcher.fail_all(exc)  # a receive half delivered included (Matcher.taken)
         exc = self.matcher.error or exc  # the first error stays (Matcher.fail_all)
-        cur = self.cur  # a receive half delivered is no longer in matcher.posted: fail it too
-        if cur is not None and cur[4] == "direct" and not cur[5].fut.done():
-            cur[5].fut.set_exception(exc)
-            cur[5].fut.exception()
         for p in list(self.pending.values()):
             if p.fut is not None and not p.fut.done():
                 p.fut.set_exception(exc)
