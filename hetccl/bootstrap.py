@@ -48,11 +48,19 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot[:8]}/{netns}"
 
 
+ISLAND_VENDORS = ("nvidia", "amd", "cpu")
+
+
 def island_label() -> str:
     """This rank's island: HETCCL_ISLAND, else the GPU vendor whose device nodes this host has, else cpu.
     Ranks with different labels never share a vendor CCL (how heterogeneity is emulated on one vendor)."""
     label = os.environ.get("HETCCL_ISLAND", "").strip()
     if label:
+        vendor = label.split("-", 1)[0].split(":", 1)[0].lower()
+        if vendor not in ISLAND_VENDORS:
+            raise ConfigError(f"HETCCL_ISLAND={label!r}: an island label starts with its vendor, one of "
+                              f"{', '.join(ISLAND_VENDORS)}, optionally followed by -<name> to split a vendor into "
+                              "several islands (e.g. nvidia-0, amd-a, cpu)")
         return label
     if os.path.exists("/dev/nvidiactl"):
         return "nvidia"

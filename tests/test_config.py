@@ -630,3 +630,21 @@ def test_socket_ifname_picks_the_interface_address() -> None:
     assert Settings.from_env({"HETCCL_SOCKET_IFNAME": "lo", "HETCCL_BIND_ADDR": "10.1.2.3"}).bind_addr == "10.1.2.3"
     with pytest.raises(ConfigError, match="no such network interface"):
         Settings.from_env({"HETCCL_SOCKET_IFNAME": "nosuch0"})
+
+
+@pytest.mark.parametrize("label", ["nvidia", "nvidia-0", "amd-a", "cpu", "CPU-b", "nvidia:1"])
+def test_island_label_with_a_vendor_prefix(monkeypatch, label):
+    from hetccl.bootstrap import island_label
+
+    monkeypatch.setenv("HETCCL_ISLAND", label)
+    assert island_label() == label
+
+
+@pytest.mark.parametrize("label", ["island0", "banana", "gpu-0", "nv-a"])
+def test_island_label_without_a_vendor_is_refused(monkeypatch, label):
+    """A label that names no vendor used to make a GPU rank a CPU island silently (2.5 GB/s host staging)."""
+    from hetccl.bootstrap import island_label
+
+    monkeypatch.setenv("HETCCL_ISLAND", label)
+    with pytest.raises(ConfigError, match=f"HETCCL_ISLAND='{label}'.*starts with its vendor"):
+        island_label()
