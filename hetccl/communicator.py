@@ -18,6 +18,7 @@ from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
 from .errors import CollectiveTimeout, CommAbortedError, ConfigError, HetcclError, PeerLostError
 from .flight import FlightRecorder
 from .gpu.buffers import is_device
+from .ordering import IssueOrder
 from .scheduler import CollCtx, Watchdog, run_collective
 from .wire import CollOp, Fingerprint
 
@@ -37,9 +38,12 @@ async def _gpu(comm: Communicator, name: str, args: list[Any], kwargs: dict[str,
 
 
 async def _hier(comm: Communicator, name: str, *args: Any, **kwargs: Any) -> None:
-    from .gpu import hierarchical
+    """A collective across islands: a schedule of sub-collectives, run in issue order (ordering.py says why)."""
+    from .gpu import dispatch, hierarchical
 
-    await getattr(hierarchical, name)(comm, *args, **kwargs)
+    fn = dispatch.hierarchical_all_reduce if name == "all_reduce" else getattr(hierarchical, name)
+    async with comm._order.turn(name, asyncio.get_running_loop().time() + comm._settings.timeout):
+        await fn(comm, *args, **kwargs)
 
 
 class _ScratchPool:
@@ -94,6 +98,7 @@ class Communicator:
         self._islands = len({fabric.records[g].get("island", "cpu") for g in members}) if fabric.records else 1
         self._algo_cache: dict[tuple[str, int], str] = {}
         self._flight = FlightRecorder()
+        self._order = IssueOrder()  # turns of the hierarchical collectives
         self._aborted: HetcclError | None = None  # set by abort() / shrink(): every later call raises it
         fabric.comms[comm_id] = self
 
@@ -137,9 +142,7 @@ class Communicator:
     async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """In place: every rank ends with the reduction of all ranks' `buf`."""
         if self._islands > 1:
-            from .gpu import dispatch
-
-            return await dispatch.hierarchical_all_reduce(self, buf, op)
+            return await _hier(self, "all_reduce", buf, op)
         if _any_device(buf):
             from .gpu import dispatch
 

@@ -18,8 +18,11 @@ buffers on GPU islands, host buffers on CPU islands).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +33,19 @@ from ..config import parse_size
 from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import CollectiveTimeout, ConfigError
 from .buffers import DeviceBuf, as_device_buf, is_device
-from .runtime import as_tensor, divide_inplace, reduce_inplace, staging, stream_handle, stream_of, torch_mod, wait_event
-from .vendor_comm import VendorComm
+from .runtime import (
+    as_tensor,
+    copy_streams,
+    divide_inplace,
+    lease,
+    reduce_inplace,
+    stream_handle,
+    stream_of,
+    torch_mod,
+    use_device,
+    wait_event,
+)
+from .vendor_comm import VendorComm, blocking
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -145,13 +159,78 @@ def _deadline(comm: Communicator) -> float:
 
 async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
     """Device buffer on a single-island communicator: the vendor CCL, on the caller's stream."""
-    rop = parse_op(op)
-    buf = as_device_buf(obj, "buf")
-    comm._fp(1, buf.dtype, buf.count, -1, rop)  # keeps the sequence in step with host-path collectives
+    await vendor_collective(comm, "all_reduce", [obj], {"op": op})
+
+
+VendorCall = Callable[[VendorComm, int], int]
+
+
+def _vendor_op(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]
+               ) -> tuple[DeviceBuf, VendorCall, str]:
+    """Check one single-island collective's device buffers and say how to enqueue it: (the buffer whose stream
+    and device it runs on, call(vendor comm, stream handle) -> rc, a description). Device collectives inside
+    an island take no sequence number: the vendor CCL matches them by enqueue order, and the torch backend
+    enqueues them from the caller's thread, where the communicator's counter must not be touched."""
+    comm._check_open()
+
+    def arg(i: int, key: str, default: Any) -> Any:
+        return kwargs[key] if key in kwargs else (args[i] if len(args) > i else default)
+
+    if name in ("all_reduce", "broadcast", "reduce"):
+        buf = as_device_buf(args[0], "buf")
+        ptr, count, dt = buf.ptr, buf.count, buf.dtype
+        if name == "all_reduce":
+            rop = parse_op(arg(1, "op", "sum"))
+            return buf, lambda vc, s: vc.lib.all_reduce(ptr, ptr, count, dt, rop, vc.comm, s), \
+                f"all_reduce of {buf.nbytes} bytes"
+        root = comm._root(arg(1, "root", 0))
+        if name == "broadcast":
+            return buf, lambda vc, s: vc.lib.broadcast(ptr, ptr, count, dt, root, vc.comm, s), "broadcast"
+        rop = parse_op(arg(2, "op", "sum"))
+        # NCCL writes the result on root only; other ranks' buffers are left as they were
+        return buf, lambda vc, s: vc.lib.reduce(ptr, ptr, count, dt, rop, root, vc.comm, s), "reduce"
+    out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
+    if out.dtype != inp.dtype:
+        raise ConfigError(f"{name}: out and inp dtypes differ ({out.dtype.name.lower()} vs "
+                          f"{inp.dtype.name.lower()}); use the same dtype for both")
+    if name == "all_gather":
+        if out.count != comm.size * inp.count:
+            raise ConfigError(f"all_gather: out has {out.count} elements, needs size*len(inp) = "
+                              f"{comm.size * inp.count}")
+        return out, lambda vc, s: vc.lib.all_gather(inp.ptr, out.ptr, inp.count, out.dtype, vc.comm, s), \
+            "all_gather"
+    rop = parse_op(arg(2, "op", "sum"))
+    if inp.count != comm.size * out.count:
+        raise ConfigError(f"reduce_scatter: inp has {inp.count} elements, needs size*len(out) = "
+                          f"{comm.size * out.count}")
+    return out, lambda vc, s: vc.lib.reduce_scatter(inp.ptr, out.ptr, out.count, out.dtype, rop, vc.comm, s), \
+        "reduce_scatter"
+
+
+async def vendor_collective(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """A collective on device buffers inside one GPU island: the vendor CCL on the caller's stream."""
+    buf, call, what = _vendor_op(comm, name, args, kwargs)
+    use_device(buf.device)
     lay = await layout(comm)
     vc = await _vendor(comm, lay, buf)
-    await vc.run(lambda s: vc.lib.all_reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, vc.comm, s),
-                 stream_handle(buf), _deadline(comm), f"all_reduce of {buf.nbytes} bytes")
+    await vc.run(lambda s: call(vc, s), stream_handle(buf), _deadline(comm), what)
+
+
+def enqueue_now(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
+    """The same, enqueued from the calling thread (the torch backend's caller, not hetccl's loop thread) when
+    it can be: a single GPU island whose vendor communicator for the buffer's device exists. Returns False
+    where the caller must go through the loop instead (first use of a device, several islands, blocking mode).
+    Raises the communicator's error (a lost peer, a watchdog timeout) like the loop path."""
+    lay = comm._gpu_layout
+    if lay is None or not lay.single or lay.vendor_pending or name not in VENDOR_OPS + ("all_reduce",) \
+            or not all(is_device(a) for a in args) or vendor_of(lay.labels[comm.rank]) is None or blocking():
+        return False
+    buf, call, what = _vendor_op(comm, name, args, kwargs)
+    vc = lay.vendor_comms.get(buf.device)
+    if vc is None:
+        return False
+    deadline = time.monotonic() + comm._settings.timeout  # the loop's clock: asyncio uses time.monotonic
+    return vc.run_now(lambda s: call(vc, s), buf.stream, deadline, what)
 
 
 def _vendor_comms(comm: Communicator) -> list[VendorComm]:
@@ -204,6 +283,8 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
             native.divide(b.data, b.dtype, comm.size)
         return
     buf = as_device_buf(obj, "buf")
+    check_device_label(comm, lay, buf)
+    use_device(buf.device)
     comm._fp(1, buf.dtype, buf.count, -1, rop)
     stream = stream_of(buf)
     t = as_tensor(buf)
@@ -235,6 +316,19 @@ async def hierarchical_all_reduce(comm: Communicator, obj: Any, op: Any) -> None
         ev = torch.cuda.Event()
         ev.record(stream)
         await wait_event(ev, _deadline(comm), "avg division")
+
+
+def check_device_label(comm: Communicator, lay: Layout, buf: DeviceBuf) -> None:
+    """A rank's island label must agree with the memory it passes: a label names an island, the device says
+    which vendor it is (a CPU label with GPU memory would otherwise stage silently through host memory)."""
+    label = lay.labels[comm.rank]
+    vendor = vendor_of(label)
+    device_vendor = "amd" if buf.vendor == "hip" else "nvidia"
+    if vendor != device_vendor:
+        raise ConfigError(f"rank {comm.rank} (global rank {comm._members[comm.rank]}) has island label "
+                          f"{label!r} but passed {device_vendor} device memory (GPU {buf.device}); label GPU "
+                          f"ranks {device_vendor}-<name> in HETCCL_ISLAND (e.g. {device_vendor}-0), or pass "
+                          "host memory on a CPU island")
 
 
 async def _pairlink(comm: Communicator, lay: Layout, t: Any) -> Any:
@@ -272,19 +366,19 @@ async def small_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: 
     torch = torch_mod()
     raw = t.view(torch.uint8)
     n = raw.numel()
-    pinned, _, _ = staging(t.device, max(SMALL_BYTES, 1), 1, use="small")
-    host = pinned[0][:n]
-    with torch.cuda.stream(stream):
-        host.copy_(raw, non_blocking=True)
-        out = torch.cuda.Event()
-        out.record(stream)
-    await wait_event(out, deadline, "device-to-host copy")
-    await leaders._all_reduce_flat(host.view(t.dtype), op=op)
-    with torch.cuda.stream(stream):
-        raw.copy_(host, non_blocking=True)
-        back = torch.cuda.Event()
-        back.record(stream)
-    await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
+    with lease("pinned", t.device, max(SMALL_BYTES, n), 1) as pinned:
+        host = pinned[0][:n]
+        with torch.cuda.stream(stream):
+            host.copy_(raw, non_blocking=True)
+            out = torch.cuda.Event()
+            out.record(stream)
+        await wait_event(out, deadline, "device-to-host copy")
+        await leaders._all_reduce_flat(host.view(t.dtype), op=op)
+        with torch.cuda.stream(stream):
+            raw.copy_(host, non_blocking=True)
+            back = torch.cuda.Event()
+            back.record(stream)
+        await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
 
 
 async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream: Any, deadline: float,
@@ -293,7 +387,8 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
 
     on_device=False: each chunk goes through hetccl's host all_reduce (host reduction). on_device=True (every
     leader holds device memory): each chunk is all-gathered through host memory and the leaders' blocks are
-    reduced on the device, in rank order, so that every leader computes bit-identical results."""
+    reduced on the device, in rank order, so that every leader computes bit-identical results. The chunks'
+    host collectives start in chunk order on every leader, whichever device copy lands first."""
     torch = torch_mod()
     raw = t.view(torch.uint8)
     n = raw.numel()
@@ -302,91 +397,94 @@ async def staged_all_reduce(leaders: Communicator, t: Any, op: ReduceOp, stream:
         return
     isz = t.element_size()
     chunk = (STAGE_CHUNK // isz) * isz
-    pinned, d2h, h2d = staging(t.device, chunk, 3)
     k = leaders.size
-    if on_device:
-        gathered, _, _ = staging(t.device, k * chunk, 3, use="gathered")  # k blocks per slot
-        scratch = _device_scratch(t.device, k * chunk, 3)
-    d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
-    free = [asyncio.Event() for _ in pinned]
-    for ev in free:
-        ev.set()
-    tasks = []
+    slots = 3
+    d2h, h2d = copy_streams(t.device)
+    with contextlib.ExitStack() as held:
+        pinned = held.enter_context(lease("pinned", t.device, chunk, slots))
+        if on_device:
+            gathered = held.enter_context(lease("pinned", t.device, k * chunk, slots))  # k blocks per slot
+            scratch = held.enter_context(lease("device", t.device, k * chunk, slots))
+        d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
+        free = [asyncio.Event() for _ in range(slots)]
+        for ev in free:
+            ev.set()
+        tasks: list[asyncio.Future] = []
+        started: asyncio.Future | None = None  # done once the previous chunk's host collective has begun
 
-    async def exchange(i: int, off: int, size: int, slot: int, copied: Any) -> None:
-        try:
-            await wait_event(copied, deadline, "device-to-host staging")
-            host = pinned[slot][:size]
-            if on_device:
-                blocks = gathered[slot][:k * size]
-                await leaders.all_gather(blocks.view(t.dtype), host.view(t.dtype), _flat=True)
+        async def exchange(off: int, size: int, slot: int, copied: Any, prev: asyncio.Future | None,
+                           mine: asyncio.Future) -> None:
+            try:
+                await wait_event(copied, deadline, "device-to-host staging")
+                if prev is not None:
+                    await prev
+                host = pinned[slot][:size]
+                if on_device:
+                    blocks = gathered[slot][:k * size]
+                    coll = asyncio.ensure_future(leaders.all_gather(blocks.view(t.dtype), host.view(t.dtype),
+                                                                    _flat=True))
+                else:  # hetccl host path: shm / tcp / verbs
+                    coll = asyncio.ensure_future(leaders._all_reduce_flat(host.view(t.dtype), op=op))
+                mine.set_result(None)  # coll takes its sequence number before the next chunk's task resumes
+                await coll
                 with torch.cuda.stream(h2d):
-                    dev = scratch[slot][:k * size]
-                    dev.copy_(blocks, non_blocking=True)
                     dst = raw[off: off + size]
-                    dst.copy_(dev[:size], non_blocking=True)
-                    for b in range(1, k):
-                        reduce_inplace(dst.view(t.dtype), dev[b * size:(b + 1) * size].view(t.dtype), op)
+                    if on_device:
+                        dev = scratch[slot][:k * size]
+                        dev.copy_(blocks, non_blocking=True)
+                        dst.copy_(dev[:size], non_blocking=True)
+                        for b in range(1, k):
+                            reduce_inplace(dst.view(t.dtype), dev[b * size:(b + 1) * size].view(t.dtype), op)
+                    else:
+                        dst.copy_(host, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(h2d)
-            else:
-                await leaders._all_reduce_flat(host.view(t.dtype), op=op)  # hetccl host path: shm / tcp / verbs
-                with torch.cuda.stream(h2d):
-                    raw[off: off + size].copy_(host, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(h2d)
-            await wait_event(done, deadline, "host-to-device staging")
-        finally:
-            free[slot].set()  # also on failure: the loop below then sees the task's error at once
+                await wait_event(done, deadline, "host-to-device staging")
+            finally:
+                if not mine.done():
+                    mine.cancel()
+                free[slot].set()  # also on failure: the loop below then sees the task's error at once
 
-    loop = asyncio.get_running_loop()
-    for i, off in enumerate(range(0, n, chunk)):
-        size = min(chunk, n - off)
-        slot = i % len(pinned)
-        for task in tasks:  # a failed exchange frees no slot: surface its error instead of waiting
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(free[slot].wait(), max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            raise CollectiveTimeout("cross-island staging: a pinned buffer was not released before the deadline") \
-                from None
-        free[slot].clear()
-        with torch.cuda.stream(d2h):
-            pinned[slot][:size].copy_(raw[off: off + size], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(d2h)
-        tasks.append(asyncio.ensure_future(exchange(i, off, size, slot, copied)))
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
+            for i, off in enumerate(range(0, n, chunk)):
+                size = min(chunk, n - off)
+                slot = i % slots
+                for task in tasks:  # a failed exchange frees no slot: surface its error instead of waiting
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                try:
+                    await asyncio.wait_for(free[slot].wait(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise CollectiveTimeout("cross-island staging: a pinned buffer was not released before the "
+                                            "deadline") from None
+                free[slot].clear()
+                with torch.cuda.stream(d2h):
+                    pinned[slot][:size].copy_(raw[off: off + size], non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(d2h)
+                mine = loop.create_future()
+                tasks.append(asyncio.ensure_future(exchange(off, size, slot, copied, started, mine)))
+                started = mine
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
     stream.wait_stream(h2d)  # work queued after the collective sees the result
-
-
-_SCRATCH: dict[tuple[int, int], list[Any]] = {}
-
-
-def _device_scratch(device: Any, nbytes: int, slots: int) -> list[Any]:
-    torch = torch_mod()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), slots)
-    cached = _SCRATCH.get(key)
-    if cached is None or cached[0].numel() < nbytes:
-        cached = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        _SCRATCH[key] = cached
-    return cached
 
 
 async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any], outputs: list[int]
                  ) -> None:
-    """Run a host-path collective on host copies of device buffers and copy the outputs back (copies from
-    pageable host memory to the device complete before copy_ returns)."""
+    """Run a host-path collective on host copies of device buffers and copy the outputs back, ordered on the
+    caller's stream (copies between pageable host memory and the device complete before copy_ returns)."""
+    torch = torch_mod()
     host_args: list[Any] = []
     for a in args:
         if a is not None and is_device(a):
             buf = as_device_buf(a)
-            host_args.append(as_tensor(buf).to("cpu").contiguous())
+            use_device(buf.device)
+            with torch.cuda.stream(stream_of(buf)):
+                host_args.append(as_tensor(buf).to("cpu").contiguous())
         else:
             host_args.append(a)
     if name in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
@@ -394,8 +492,9 @@ async def staged(comm: Communicator, name: str, args: list[Any], kwargs: dict[st
     await getattr(comm, name)(*host_args, **kwargs)
     for i in outputs:
         if args[i] is not None and is_device(args[i]):
-            dev = as_tensor(as_device_buf(args[i]))
-            dev.copy_(host_args[i].reshape(-1))
+            buf = as_device_buf(args[i])
+            with torch.cuda.stream(stream_of(buf)):
+                as_tensor(buf).copy_(host_args[i].reshape(-1))
 
 
 VENDOR_OPS = ("all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -410,39 +509,4 @@ async def collective(comm: Communicator, name: str, args: list[Any], kwargs: dic
     if mixed or not lay.single or name not in VENDOR_OPS or vendor_of(lay.labels[comm.rank]) is None:
         await staged(comm, name, args, kwargs, outputs)
         return
-    deadline = _deadline(comm)
-    if name == "broadcast":
-        buf = as_device_buf(args[0], "buf")
-        root = int(kwargs.get("root", args[1] if len(args) > 1 else 0))
-        comm._fp(4, buf.dtype, buf.count, root)
-        vc = await _vendor(comm, lay, buf)
-        await vc.run(lambda s: vc.lib.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, root, vc.comm, s),
-                     stream_handle(buf), deadline, "broadcast")
-    elif name == "reduce":
-        buf = as_device_buf(args[0], "buf")
-        root = int(kwargs.get("root", args[1] if len(args) > 1 else 0))
-        rop = parse_op(kwargs.get("op", args[2] if len(args) > 2 else "sum"))
-        comm._fp(5, buf.dtype, buf.count, root, rop)
-        vc = await _vendor(comm, lay, buf)
-        # NCCL writes the result on root only; other ranks' buffers are left as they were
-        await vc.run(lambda s: vc.lib.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, rop, root, vc.comm, s),
-                     stream_handle(buf), deadline, "reduce")
-    elif name == "all_gather":
-        out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
-        if out.count != comm.size * inp.count:
-            raise ConfigError(f"all_gather: out has {out.count} elements, needs size*len(inp) = "
-                              f"{comm.size * inp.count}")
-        comm._fp(2, out.dtype, inp.count)
-        vc = await _vendor(comm, lay, out)
-        await vc.run(lambda s: vc.lib.all_gather(inp.ptr, out.ptr, inp.count, out.dtype, vc.comm, s),
-                     stream_handle(out), deadline, "all_gather")
-    else:  # reduce_scatter
-        out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
-        rop = parse_op(kwargs.get("op", args[2] if len(args) > 2 else "sum"))
-        if inp.count != comm.size * out.count:
-            raise ConfigError(f"reduce_scatter: inp has {inp.count} elements, needs size*len(out) = "
-                              f"{comm.size * out.count}")
-        comm._fp(3, out.dtype, out.count, -1, rop)
-        vc = await _vendor(comm, lay, out)
-        await vc.run(lambda s: vc.lib.reduce_scatter(inp.ptr, out.ptr, out.count, out.dtype, rop, vc.comm, s),
-                     stream_handle(out), deadline, "reduce_scatter")
+    await vendor_collective(comm, name, args, kwargs)

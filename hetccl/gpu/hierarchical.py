@@ -16,8 +16,8 @@ from .. import native
 from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import ConfigError
 from .buffers import as_device_buf, is_device
-from .dispatch import layout
-from .runtime import as_tensor, divide_inplace, torch_mod
+from .dispatch import Layout, check_device_label, layout
+from .runtime import as_tensor, divide_inplace, torch_mod, use_device
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -27,10 +27,13 @@ class _View:
     """A flat view of a user buffer that the sub-collectives accept: a torch tensor for device memory, a Buf
     (bytes + dtype) for host memory, with slicing and scratch of the same kind."""
 
-    def __init__(self, obj: Any, name: str):
+    def __init__(self, comm: Communicator, lay: Layout, obj: Any, name: str):
         if is_device(obj):
             self.dev = True
-            self.flat = as_tensor(as_device_buf(obj, name))
+            buf = as_device_buf(obj, name)
+            check_device_label(comm, lay, buf)
+            use_device(buf.device)
+            self.flat = as_tensor(buf)
         else:
             self.dev = False
             self.flat = as_buf(obj, name, writable=False)
@@ -43,6 +46,14 @@ class _View:
             return torch_mod().empty(count, dtype=self.flat.dtype, device=self.flat.device)
         dt = self.flat.dtype
         return Buf(np.empty(count * dt.itemsize, np.uint8), dt, count)
+
+
+def _views(comm: Communicator, lay: Layout, out: Any, inp: Any) -> tuple[_View, _View]:
+    vo, vi = _View(comm, lay, out, "out"), _View(comm, lay, inp, "inp")
+    if vo.dev != vi.dev:
+        raise ConfigError(f"out is {'device' if vo.dev else 'host'} memory but inp is "
+                          f"{'device' if vi.dev else 'host'} memory; across islands pass both of one kind")
+    return vo, vi
 
 
 def _sl(x: Any, a: int, b: int) -> Any:
@@ -68,7 +79,7 @@ def _divide(x: Any, divisor: int) -> None:
 
 async def broadcast(comm: Communicator, buf: Any, root: int) -> None:
     lay = await layout(comm)
-    v = _View(buf, "buf")
+    v = _View(comm, lay, buf, "buf")
     comm._fp(4, None, len(v), root)
     root_island = next(i for i, m in enumerate(lay.islands) if root in m)
     members, isl = lay.my_members, lay.island_comm
@@ -86,7 +97,7 @@ async def reduce(comm: Communicator, buf: Any, root: int, op: Any) -> None:
     rop = parse_op(op)
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     lay = await layout(comm)
-    v = _View(buf, "buf")
+    v = _View(comm, lay, buf, "buf")
     comm._fp(5, None, len(v), root, rop)
     root_island = next(i for i, m in enumerate(lay.islands) if root in m)
     members, isl = lay.my_members, lay.island_comm
@@ -112,7 +123,7 @@ async def reduce(comm: Communicator, buf: Any, root: int, op: Any) -> None:
 
 async def all_gather(comm: Communicator, out: Any, inp: Any) -> None:
     lay = await layout(comm)
-    vo, vi = _View(out, "out"), _View(inp, "inp")
+    vo, vi = _views(comm, lay, out, inp)
     k = len(vi)
     if len(vo) != comm.size * k:
         raise ConfigError(f"all_gather: out has {len(vo)} elements, needs size*len(inp) = {comm.size * k}")
@@ -139,7 +150,7 @@ async def reduce_scatter(comm: Communicator, out: Any, inp: Any, op: Any) -> Non
     rop = parse_op(op)
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     lay = await layout(comm)
-    vo, vi = _View(out, "out"), _View(inp, "inp")
+    vo, vi = _views(comm, lay, out, inp)
     k = len(vo)
     if len(vi) != comm.size * k:
         raise ConfigError(f"reduce_scatter: inp has {len(vi)} elements, needs size*len(out) = {comm.size * k}")

@@ -5,7 +5,10 @@ tensors without a copy (DLPack / the interface), so one code path serves them al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..dtypes import DType, ReduceOp
@@ -148,17 +151,62 @@ async def wait_event(event: Any, deadline: float, what: str, poll: Any = None) -
         await asyncio.sleep(0 if spins < 200_000 else 0.0005)
 
 
-_STAGING: dict[tuple[int, int, str], Any] = {}
-
-
-def staging(device: Any, nbytes: int, slots: int, use: str = "") -> tuple[list[Any], Any, Any]:
-    """Pinned host buffers and two copy streams for a device, allocated once per (device, slots, use)
-    (pinned allocation costs milliseconds: never on the hot path)."""
+def device_index(device: Any) -> int:
     torch = torch_mod()
-    key = (device.index if device.index is not None else torch.cuda.current_device(), slots, use)
-    cached = _STAGING.get(key)
-    if cached is None or cached[0][0].numel() < nbytes:
-        bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-        cached = (bufs, torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
-        _STAGING[key] = cached
-    return cached
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def use_device(device: Any) -> None:
+    """Make `device` current on the calling thread. hetccl's loop thread serves every caller of a process, and a
+    thread's current device defaults to 0: without this, rank 1's events, driver calls and allocations would
+    land on GPU 0 whenever every GPU is visible (torchrun's default)."""
+    torch = torch_mod()
+    index = device_index(device)
+    if index >= 0 and torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
+_STREAMS: dict[int, tuple[Any, Any]] = {}
+
+
+def copy_streams(device: Any) -> tuple[Any, Any]:
+    """The device's two copy streams (device-to-host, host-to-device), shared by every staged operation: a
+    stream only orders work, and operations that share one still finish in issue order."""
+    torch = torch_mod()
+    index = device_index(device)
+    pair = _STREAMS.get(index)
+    if pair is None:
+        pair = _STREAMS[index] = (torch.cuda.Stream(device=index), torch.cuda.Stream(device=index))
+    return pair
+
+
+_POOL: dict[tuple[str, int, int], list[list[Any]]] = {}
+_POOL_LOCK = threading.Lock()
+_POOL_KEEP = 4  # idle sets kept per (kind, device, slots)
+
+
+@contextlib.contextmanager
+def lease(kind: str, device: Any, nbytes: int, slots: int) -> Iterator[list[Any]]:
+    """`slots` buffers of at least `nbytes` for one operation: pinned host memory (kind "pinned") or device memory
+    ("device"). Several operations in flight each hold their own (pinned allocation costs milliseconds, so
+    released sets are kept for the next operation). A set whose operation failed is not reused: copies
+    may still be queued on it, and torch's allocator frees it only once they are done."""
+    torch = torch_mod()
+    index = device_index(device)
+    key = (kind, index, slots)
+    with _POOL_LOCK:
+        free = _POOL.setdefault(key, [])
+        bufs = next((b for b in free if b[0].numel() >= nbytes), None)
+        if bufs is not None:
+            free.remove(bufs)
+    if bufs is None:
+        if kind == "pinned":
+            bufs = [torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        else:
+            bufs = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=index) for _ in range(slots)]
+    yield bufs  # an exception here skips the return to the pool
+    with _POOL_LOCK:
+        if len(free) < _POOL_KEEP:
+            free.append(bufs)

@@ -140,6 +140,28 @@ class VendorComm:
             self.broken = exc
             raise
 
+    def run_now(self, enqueue: Callable[[int], Any], stream: int, deadline: float, what: str) -> bool:
+        """`run` from any thread, without the event loop: enqueue on `stream` (a raw handle) and return, the
+        watchdog following the operation. False where it cannot without waiting (a full queue of unfinished
+        operations): the caller then goes through `run` on the loop."""
+        if self.broken is not None:
+            raise self.broken
+        if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:
+            return False
+        if self.comm is None:
+            raise self.broken or PeerLostError("the vendor communicator was aborted after an error")
+        rc = enqueue(stream)
+        if rc == IN_PROGRESS:  # a non-blocking communicator: settle here, bounded like the loop's wait
+            while (state := self.lib.comm_get_async_error(self.comm)) == IN_PROGRESS:
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise CollectiveTimeout(f"{what} did not finish before the deadline; a peer is missing or stuck")
+            if state != 0:
+                self.abort()
+                raise TransportError(self.lib.describe(state, what, self.comm))
+        self._track(record_event(stream, self.device), deadline, what, stream)
+        return True
+
     # ---- watchdog ------------------------------------------------------------------------------------
     def _track(self, ev: Any, deadline: float, what: str, stream: int) -> None:
         # asyncio's loop.time() is time.monotonic(): the watchdog compares deadlines with the same clock
