@@ -32,6 +32,21 @@ def run_torch(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | 
     return proc
 
 
+def run_torchrun(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """The same under torchrun (`--standalone`, its default: every GPU visible to every rank)."""
+    env = dict(os.environ, **(env or {}))
+    env.setdefault("HETCCL_TIMEOUT", "60")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(WORKERS),
+           *args]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} on {n} ranks under torchrun exited {proc.returncode}\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def test_import_registers_backend_idempotently():
     import hetccl.torch as ht
 
@@ -126,3 +141,11 @@ def test_unmodified_script_runs_on_hetccl_through_the_alias() -> None:
                            "--", sys.executable, "-c", UNMODIFIED], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("backend hetccl") == 2, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_failed_collective_raises_from_wait():
+    """torch's Work made from a future returns from wait() even when the future failed: the backend's own Work
+    raises the hetccl error instead (every rank names the mismatch)."""
+    proc = run_torch(2, "error_surfaces")
+    assert proc.stdout.count("CollectiveMismatchError") == 2, proc.stdout + proc.stderr[-3000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from gpu_marks import GPU_ENV, NGPU, needs_1, needs_2
-from test_torch_backend import close, run_torch
+from test_torch_backend import close, run_torch, run_torchrun
 
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
@@ -79,3 +79,90 @@ def test_fsdp2_cuda_matches_nccl(tmp_path, variant):
     for r in range(n):
         close(res["hetccl"][r]["losses"], res["nccl"][r]["losses"], 1e-5, f"rank {r} FSDP2 losses ({variant})")
         close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({variant})")
+
+
+# --- two islands under torchrun, every GPU visible to every rank (torchrun's default) -------------------------
+# rank i is island nvidia-i on GPU i; the three ways between islands: the zero-copy link, host staging over
+# shared memory, and TCP standing in for two hosts
+TWO_ISLANDS = {**CUDA_ENV, "TEST_ISLANDS": "nvidia-0,nvidia-1"}
+PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}}
+
+
+@needs_2
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_two_islands_every_op(path):
+    """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
+    and mismatches seen with both GPUs visible), on each cross-island path."""
+    env = {**TWO_ISLANDS, **PATHS[path]}
+    run_torchrun(2, "ops", "float32", env=env, timeout=280)
+    run_torchrun(2, "async", env=env, timeout=280)
+    run_torchrun(2, "inflight", env=env, timeout=280)
+
+
+@needs_2
+@pytest.mark.timeout(600)
+def test_one_island_in_flight_under_torchrun():
+    run_torchrun(2, "inflight", env=CUDA_ENV, timeout=280)
+
+
+def _ddp_losses(tmp_path, backend: str, hook: str, env: dict[str, str]) -> list[list[float]]:
+    out = tmp_path / f"{backend}-{hook}-{len(env)}"
+    run_torchrun(2, "ddp", backend, str(out), hook, env=env, timeout=280)
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+
+
+@needs_2
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path,hook", [(p, "none") for p in sorted(PATHS)] +
+                         [("link", h) for h in ("allreduce", "bf16", "fp16")])
+def test_two_islands_ddp_matches_nccl(tmp_path, path, hook):
+    """DDP (several buckets in flight) over two islands gives NCCL's losses (the crash seen on every path)."""
+    want = _ddp_losses(tmp_path, "nccl", hook, CUDA_ENV)
+    got = _ddp_losses(tmp_path, "hetccl", hook, {**TWO_ISLANDS, **PATHS[path]})
+    for r in range(2):
+        close(got[r], want[r], 1e-5, f"rank {r} DDP losses over two islands ({path}, hook {hook})")
+
+
+@needs_2
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
+    res = {}
+    for backend, env in (("nccl", CUDA_ENV), ("hetccl", {**TWO_ISLANDS, **PATHS[path]})):
+        out = tmp_path / backend
+        run_torchrun(2, "fsdp", backend, str(out), "plain", env=env, timeout=280)
+        res[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    for r in range(2):
+        close(res["hetccl"][r]["losses"], res["nccl"][r]["losses"], 1e-5, f"rank {r} FSDP2 losses ({path})")
+        close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({path})")
+
+
+@needs_2
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("islands", ["one", "two"])
+def test_device_id(islands):
+    """init_process_group("hetccl", device_id=cuda:i), which Lightning passes (it failed at init)."""
+    run_torchrun(2, "device_id", env=TWO_ISLANDS if islands == "two" else CUDA_ENV, timeout=280)
+
+
+@needs_2
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("islands", ["one", "two"])
+@pytest.mark.parametrize("how", ["dead", "stuck"])
+def test_peer_failure_surfaces(islands, how):
+    """A dead or stuck peer ends rank 0's collectives in a hetccl error (from wait() or the next call), never
+    in a stale result or a hang."""
+    env = {**(TWO_ISLANDS if islands == "two" else CUDA_ENV), "HETCCL_TIMEOUT": "5"}
+    proc = run_torchrun(2, "peer_fails", how, env=env, timeout=200)
+    assert "rank 0 got" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    want = "PeerLostError" if how == "dead" else "CollectiveTimeout"
+    line = next(x for x in proc.stdout.splitlines() if "rank 0 got" in x)
+    assert want in line or (how == "dead" and "lost" in line), line
+
+
+@needs_2
+@pytest.mark.timeout(300)
+def test_cpu_label_with_cuda_tensors_is_refused():
+    proc = run_torchrun(2, "label_mismatch", env={**CUDA_ENV, "TEST_ISLANDS": "cpu-a,cpu-b"}, timeout=200)
+    assert proc.stdout.count("ConfigError") == 2, proc.stdout

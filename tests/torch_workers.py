@@ -20,6 +20,8 @@ REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bfloat16}
 DEVICE = os.environ.get("TORCH_TEST_DEVICE", "cpu")
+if os.environ.get("TEST_ISLANDS"):  # per-rank island labels ("nvidia-0,nvidia-1"), indexed by the global rank
+    os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["RANK"])]
 
 
 def _device() -> torch.device:
@@ -373,6 +375,136 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
         json.dump({"losses": losses, "params": [p.double().sum().item() for p in full]}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def case_inflight() -> None:
+    """Many collectives in flight at once (what DDP's buckets and async_op=True do), of sizes that take every
+    cross-island path (small, direct, chunked over several pipeline chunks), each fed by work queued on a side
+    stream just before: every result checked."""
+    dev = _init()
+    torch.set_default_device(dev)
+    r, n = dist.get_rank(), dist.get_world_size()
+    side = torch.cuda.Stream() if dev.type == "cuda" else None
+    counts = [1, 1000, 70_000, 300_000, 2_500_000, 5_000_000]  # 4 B .. 20 MB of fp32
+    for rnd in range(3):
+        works, checks = [], []
+        for i, c in enumerate(counts):
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # produced on the side stream, reduced on it
+                    t = torch.full((c,), float(r + 1)).mul_(i + 1 + rnd)
+                    works.append(dist.all_reduce(t, async_op=True))
+            else:
+                t = torch.full((c,), float(r + 1)).mul_(i + 1 + rnd)
+                works.append(dist.all_reduce(t, async_op=True))
+            checks.append((t, float((i + 1 + rnd) * n * (n + 1) // 2), f"all_reduce {c} round {rnd}"))
+            g = torch.zeros(n * (c // 4 + 1))
+            works.append(ALL_GATHER_TENSOR(g, torch.full((c // 4 + 1,), float(r + i)), async_op=True))
+            checks.append((g, torch.cat([torch.full((c // 4 + 1,), float(q + i)) for q in range(n)]),
+                           f"all_gather {c}"))
+            o = torch.zeros(c // 4 + 1)
+            works.append(REDUCE_SCATTER_TENSOR(o, torch.full((n * (c // 4 + 1),), float(r + 1)), async_op=True))
+            checks.append((o, float(n * (n + 1) // 2), f"reduce_scatter {c}"))
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        for w in works:
+            w.wait()
+        for t, want, what in checks:
+            want = want if isinstance(want, torch.Tensor) else torch.full_like(t, want)
+            _eq(t, want, what)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def case_device_id() -> None:
+    """init_process_group(device_id=...), as torch recommends and Lightning does; then ops and a subgroup."""
+    dev = _device()
+    dist.init_process_group("hetccl", device_id=dev)
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.full((1000,), float(r + 1), device=dev)
+    dist.all_reduce(t)
+    _eq(t, torch.full((1000,), float(n * (n + 1) // 2), device=dev), "all_reduce after device_id")
+    g = dist.new_group(list(range(n)))
+    t = torch.ones(10, device=dev)
+    dist.all_reduce(t, group=g)
+    _eq(t, torch.full((10,), float(n), device=dev), "subgroup all_reduce after device_id")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def case_peer_fails(how: str) -> None:
+    """Rank 1 dies (or hangs) after a few collectives; rank 0 must get a hetccl error from wait() or the next
+    collective, never a stale result, and print it. Both exit 0 so that the launcher lets rank 0 report."""
+    import time
+
+    import hetccl
+
+    dev = _init()
+    r = dist.get_rank()
+    for _ in range(3):
+        t = torch.ones(1 << 20, device=dev)
+        dist.all_reduce(t)
+        _eq(t, torch.full((1 << 20,), 2.0, device=dev), "all_reduce before the failure")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    if r == 1:
+        if how == "dead":
+            os._exit(0)
+        time.sleep(float(os.environ["HETCCL_TIMEOUT"]) * 4)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        for i in range(1000):
+            t = torch.ones(1 << 20, device=dev)
+            dist.all_reduce(t, async_op=True).wait()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if t[0].item() != 2.0:
+                raise AssertionError(f"all_reduce {i} after the failure returned {t[0].item()}, not an error")
+    except Exception as exc:  # noqa: BLE001 (a Work's future may hand the error back as a RuntimeError)
+        said = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, hetccl.HetcclError) and not any(
+                k in said for k in ("PeerLostError", "CollectiveTimeout", "CommAbortedError")):
+            raise
+        print(f"rank 0 got {said} after {time.monotonic() - t0:.1f} s", flush=True)
+    else:
+        raise AssertionError("1000 all_reduces with a failed peer all succeeded")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def case_error_surfaces() -> None:
+    """A collective that fails on hetccl's side (here: ranks disagree on the count) raises from wait(), and the
+    output is never handed back as if it had worked."""
+    from hetccl.errors import CollectiveMismatchError
+
+    dev = _init()
+    r = dist.get_rank()
+    t = torch.ones(10 + r, device=dev)
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        work.wait()
+    except CollectiveMismatchError as exc:
+        print(f"rank {r} CollectiveMismatchError: {exc}", flush=True)
+    else:
+        raise AssertionError(f"rank {r}: a mismatched all_reduce completed: {t}")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def case_label_mismatch() -> None:
+    """CUDA tensors on ranks labelled as CPU islands: a ConfigError naming the rank, label and device."""
+    from hetccl.errors import ConfigError
+
+    dev = _init()
+    try:
+        dist.all_reduce(torch.ones(4, device=dev))
+    except ConfigError as exc:
+        assert "island label" in str(exc) and "cpu-" in str(exc) and f"GPU {dev.index}" in str(exc), exc
+        print(f"ConfigError: {exc}", flush=True)
+    else:
+        raise AssertionError("CUDA tensors on a CPU island were accepted")
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 import hetccl
 
@@ -147,10 +146,11 @@ def _single(tensors: Sequence[Any], what: str) -> Any:
 
 
 def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors concatenated into one new contiguous host tensor (device tensors are staged through host)."""
+    """The tensors concatenated into one new contiguous tensor, on their device (every rank of an island passes
+    the same kind of memory to hetccl)."""
     if not ts:
         return torch.empty(0, device="cpu")
-    return torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu")
+    return torch.cat([t.detach().reshape(-1) for t in ts])
 
 
 def _cuda_devices(obj: Any, found: set[int] | None = None) -> list[int]:
@@ -170,6 +170,27 @@ def _future(result: Any) -> torch.futures.Future:
     to complete it), so that waiting on it orders the waiter's stream after the copy back."""
     devices = _cuda_devices(result)
     return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+class _Work(dist._Work):
+    """The Work of one operation, backed by its future. torch's own wrapper (`_create_work_from_future`)
+    returns from wait() without raising when the future failed, so a collective that failed or timed out
+    looked complete and left its output stale; this one raises the hetccl error from wait(). For CUDA results,
+    wait() only makes the waiter's current stream wait for the completion events, as ProcessGroupNCCL does."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._fut.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
 
 
 def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
@@ -194,6 +215,10 @@ class HetcclBackend(dist.ProcessGroup):
         self._group_desc = ""
         self._comm = _bootstrap(store, rank, size, timeout)
         self._acomm = self._comm.async_comm
+        # operations handed to the loop thread and not yet finished (each counter written by one thread): while
+        # any is, device collectives go through the loop too, so that every rank enqueues them in issue order
+        self._submitted = 0
+        self._finished = 0
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -218,19 +243,52 @@ class HetcclBackend(dist.ProcessGroup):
     def comm(self) -> hetccl.SyncCommunicator:
         return self._comm
 
+    # `init_process_group(device_id=...)`, `new_group` and DeviceMesh ask the group for its per-device backend
+    # (`pg._get_backend(device)`) and read what it supports. A Python process group has no C++ backends, so the
+    # group answers for every device itself: no communicator splitting (each group makes its own hetccl
+    # communicator), no coalescing manager, no custom allocation.
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: Any) -> HetcclBackend:
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        return False
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        """Connections are made at init already."""
+
+    def _now(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> Any | None:
+        """Inside one GPU island, enqueue the vendor collective from this thread on its current stream and return
+        a completed Work whose wait() only orders the waiter's stream after it, as ProcessGroupNCCL does: no hop
+        to hetccl's loop thread, no blocking. None where the operation must take the loop (first use of a
+        device, several islands, loop operations still in flight)."""
+        if args[0].device.type != "cuda" or self._submitted != self._finished or not _CUDA_DIRECT:
+            return None
+        from ..gpu.dispatch import enqueue_now
+
+        if not enqueue_now(self._acomm, name, args, kwargs):
+            return None
+        fut = _future(result)
+        fut.set_result(result)  # records the completion on the current streams of the result's devices
+        return _Work(fut)
+
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
                 after: Callable[[], None] | None = None) -> Any:
         """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
-        fut = _future(result)
-        # the caller's stream: device collectives are enqueued on it (not on the loop thread's own current
-        # stream), and copies back and the future's completion events are recorded on it
-        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        devices = _cuda_devices(result)
+        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+        # the caller's stream on the tensors' device: device collectives are enqueued on it (not on the loop
+        # thread's own current stream), and copies back and the future's completion events are recorded on it
+        stream = torch.cuda.current_stream(devices[0]) if devices else None
 
         async def body() -> None:
             if stream is not None:
-                from ..gpu.runtime import CALLER_STREAM
+                from ..gpu.runtime import CALLER_STREAM, use_device
 
+                use_device(stream.device_index)  # the loop thread serves this rank's device, not GPU 0
                 CALLER_STREAM.set(stream)  # this task's context only
             await coro_fn()
 
@@ -247,14 +305,16 @@ class HetcclBackend(dist.ProcessGroup):
                 fut.set_result(result)
 
         def done(cf: Any) -> None:
+            self._finished += 1
             if stream is None:
                 complete(cf)
             else:
                 with torch.cuda.stream(stream):
                     complete(cf)
 
+        self._submitted += 1
         self._comm.submit(body()).add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -263,6 +323,10 @@ class HetcclBackend(dist.ProcessGroup):
             return self.allreduce_coalesced(tensors, opts)
         st = _Staged(tensors[0])
         _premul(st.buf, factor, inplace=True)
+        if not st.writeback:
+            work = self._now("all_reduce", [st.buf], {"op": op}, list(tensors))
+            if work is not None:
+                return work
         return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -305,6 +369,10 @@ class HetcclBackend(dist.ProcessGroup):
         if out.buf.numel() != self._size * inp.buf.numel():
             raise UnsupportedError(f"hetccl backend: all_gather_into_tensor output has {out.buf.numel()} elements, "
                                    f"needs world_size * input = {self._size * inp.buf.numel()}")
+        if not out.writeback:
+            work = self._now("all_gather", [out.buf.reshape(-1), inp.buf.reshape(-1)], {}, [output])
+            if work is not None:
+                return work
         return self._launch(lambda: self._acomm.all_gather(out.buf.reshape(-1), inp.buf.reshape(-1)), [output],
                             out.finish)
 
@@ -331,7 +399,7 @@ class HetcclBackend(dist.ProcessGroup):
             _same_shapes(outs, inp, "all_gather_coalesced")
         flat_in = _flat(inputs)
         n = flat_in.numel()
-        flat = torch.empty(self._size * n, dtype=flat_in.dtype, device="cpu")
+        flat = torch.empty(self._size * n, dtype=flat_in.dtype, device=flat_in.device)
 
         def after() -> None:
             with torch.no_grad():
@@ -363,6 +431,10 @@ class HetcclBackend(dist.ProcessGroup):
             raise UnsupportedError(f"hetccl backend: reduce_scatter_tensor input has {inp.buf.numel()} elements, "
                                    f"needs world_size * output = {self._size * out.buf.numel()}")
         src = _premul(inp.buf, factor, inplace=False).reshape(-1)
+        if not out.writeback:
+            work = self._now("reduce_scatter", [out.buf.reshape(-1), src], {"op": op}, [output])
+            if work is not None:
+                return work
         return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), src, op), [output], out.finish)
 
     reduce_scatter_single = _reduce_scatter_base  # torch 2.13's name (older torch calls _reduce_scatter_base)
@@ -379,7 +451,7 @@ class HetcclBackend(dist.ProcessGroup):
         futs = [w.get_future() for w in works]
         if not futs:
             fut.set_result(result)
-            return _create_work_from_future(fut)
+            return _Work(fut)
 
         def done(_: Any) -> None:
             for f in futs:
@@ -391,11 +463,15 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         torch.futures.collect_all(futs).add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         st = _Staged(_single(tensors, "broadcast"))
         root = int(opts.rootRank)
+        if not st.writeback:
+            work = self._now("broadcast", [st.buf], {"root": root}, list(tensors))
+            if work is not None:
+                return work
         return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -494,7 +570,7 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         work.get_future().add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:
         root = int(opts.rootRank)
