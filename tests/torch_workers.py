@@ -216,7 +216,8 @@ def case_ops(dtype_name: str) -> None:
         try:
             dist.all_reduce(torch.ones(2, dtype=dt), op=dist._make_nccl_premul_sum(0.5))
         except Exception as e:  # noqa: BLE001
-            assert "PREMUL_SUM needs a floating-point tensor" in str(e), e
+            # torch 2.11 hides the factor, which is refused first
+            assert ("PREMUL_SUM needs a floating-point tensor" if premul_readable() else "PREMUL_SUM") in str(e), e
         else:
             raise AssertionError("PREMUL_SUM on integers should be rejected")
 
@@ -453,6 +454,7 @@ def case_peer_fails(how: str) -> None:
         time.sleep(float(os.environ["HETCCL_TIMEOUT"]) * 4)
         os._exit(0)
     t0 = time.monotonic()
+    stale = 0
     try:
         for i in range(1000):
             t = torch.ones(1 << 20, device=dev)
@@ -460,7 +462,11 @@ def case_peer_fails(how: str) -> None:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if t[0].item() != 2.0:
-                raise AssertionError(f"all_reduce {i} after the failure returned {t[0].item()}, not an error")
+                # inside one island a collective returns once enqueued (as with NCCL): the one enqueued before the
+                # failure was seen is aborted, and the next call must raise
+                stale += 1
+                if stale > 1 or os.environ.get("TEST_ISLANDS"):
+                    raise AssertionError(f"all_reduce {i} after the failure returned {t[0].item()}, not an error")
     except Exception as exc:  # noqa: BLE001 (a Work's future may hand the error back as a RuntimeError)
         said = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, hetccl.HetcclError) and not any(

@@ -8,6 +8,7 @@ communicator runs the same steps whatever memory it holds, so GPU islands and CP
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..dtypes import Buf, ReduceOp, as_buf, parse_op
 from ..errors import ConfigError
 from .buffers import as_device_buf, is_device
 from .dispatch import Layout, check_device_label, layout
-from .runtime import as_tensor, divide_inplace, torch_mod, use_device
+from .runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device
 
 if TYPE_CHECKING:
     from ..communicator import Communicator
@@ -34,18 +35,34 @@ class _View:
             check_device_label(comm, lay, buf)
             use_device(buf.device)
             self.flat = as_tensor(buf)
+            # local steps (scratch, copies, division) run on the caller's stream, ordered with its work and with
+            # the sub-collectives (which take that stream too), and scratch is allocated for that stream
+            self.stream = stream_of(buf)
         else:
             self.dev = False
             self.flat = as_buf(obj, name, writable=False)
+            self.stream = None
 
     def __len__(self) -> int:
         return int(self.flat.shape[0]) if self.dev else self.flat.count
 
+    def local(self) -> Any:
+        return torch_mod().cuda.stream(self.stream) if self.dev else contextlib.nullcontext()
+
     def empty(self, count: int) -> Any:
         if self.dev:
-            return torch_mod().empty(count, dtype=self.flat.dtype, device=self.flat.device)
+            with self.local():
+                return torch_mod().empty(count, dtype=self.flat.dtype, device=self.flat.device)
         dt = self.flat.dtype
         return Buf(np.empty(count * dt.itemsize, np.uint8), dt, count)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        with self.local():
+            _copy(dst, src)
+
+    def divide(self, x: Any, divisor: int) -> None:
+        with self.local():
+            _divide(x, divisor)
 
 
 def _views(comm: Communicator, lay: Layout, out: Any, inp: Any) -> tuple[_View, _View]:
@@ -106,19 +123,19 @@ async def reduce(comm: Communicator, buf: Any, root: int, op: Any) -> None:
     acc = v.flat
     if leader:
         acc = v.empty(len(v))
-        _copy(acc, v.flat)
+        v.copy(acc, v.flat)
     if isl is not None:
         await isl.reduce(acc if leader else buf, root=0, op=inner)
     if lay.leaders is not None and leader:
         await lay.leaders.reduce(acc, root=root_island, op=inner, _flat=True)
     if lay.mine == root_island:
         if root == members[0]:
-            _copy(v.flat, acc)
+            v.copy(v.flat, acc)
         elif isl is not None:  # the island leader hands the result to root; others receive into scratch
             tmp = acc if leader else (v.flat if comm.rank == root else v.empty(len(v)))
             await isl.broadcast(tmp, root=0)
         if comm.rank == root and rop == ReduceOp.AVG:
-            _divide(v.flat, comm.size)
+            v.divide(v.flat, comm.size)
 
 
 async def all_gather(comm: Communicator, out: Any, inp: Any) -> None:
@@ -134,7 +151,7 @@ async def all_gather(comm: Communicator, out: Any, inp: Any) -> None:
     if isl is not None:
         await isl.all_gather(_sl(mine, 0, len(members) * k), vi.flat)
     else:
-        _copy(_sl(mine, 0, k), vi.flat)
+        vi.copy(_sl(mine, 0, k), vi.flat)
     every = vi.empty(len(lay.islands) * width * k)
     if lay.leaders is not None and comm.rank == members[0]:
         await lay.leaders.all_gather(every, mine, _flat=True)
@@ -143,7 +160,7 @@ async def all_gather(comm: Communicator, out: Any, inp: Any) -> None:
     for i, island in enumerate(lay.islands):  # back to communicator rank order
         for j, r in enumerate(island):
             a = (i * width + j) * k
-            _copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
+            vi.copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
 
 
 async def reduce_scatter(comm: Communicator, out: Any, inp: Any, op: Any) -> None:
@@ -157,7 +174,7 @@ async def reduce_scatter(comm: Communicator, out: Any, inp: Any, op: Any) -> Non
     comm._fp(3, None, k, -1, rop)
     members, isl = lay.my_members, lay.island_comm
     acc = vi.empty(len(vi))
-    _copy(acc, vi.flat)
+    vi.copy(acc, vi.flat)
     if isl is not None:
         await isl.reduce(acc, root=0, op=inner)
     if lay.leaders is not None and comm.rank == members[0]:
@@ -165,6 +182,6 @@ async def reduce_scatter(comm: Communicator, out: Any, inp: Any, op: Any) -> Non
     if isl is not None:
         await isl.broadcast(acc, root=0)
     r = comm.rank
-    _copy(vo.flat, _sl(acc, r * k, (r + 1) * k))
+    vi.copy(vo.flat, _sl(acc, r * k, (r + 1) * k))
     if rop == ReduceOp.AVG:
-        _divide(vo.flat, comm.size)
+        vi.divide(vo.flat, comm.size)

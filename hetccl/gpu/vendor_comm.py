@@ -146,6 +146,8 @@ class VendorComm:
         operations): the caller then goes through `run` on the loop."""
         if self.broken is not None:
             raise self.broken
+        if self.lost:  # a member already known lost: never enqueue what cannot finish
+            self.poll()
         if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:
             return False
         if self.comm is None:
