@@ -128,7 +128,7 @@ def main() -> None:
                    default=[4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=";".join(VARIANTS), help="names separated by ;")
     p.add_argument("--out", default="")
     p.add_argument("--timeout", type=float, default=240)
     a = p.parse_args()
@@ -137,7 +137,7 @@ def main() -> None:
         return
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in a.variants.split(","):
+        for name in a.variants.split(";"):
             backend, n, extra = VARIANTS[name]
             js = Path(tmp) / "r.json"
             js.unlink(missing_ok=True)

@@ -449,6 +449,7 @@ def case_peer_fails(how: str) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     if r == 1:
+        time.sleep(1.0)  # rank 0 has finished the collectives above and is in the loop below
         if how == "dead":
             os._exit(0)
         time.sleep(float(os.environ["HETCCL_TIMEOUT"]) * 4)

@@ -141,15 +141,20 @@ class VendorComm:
             raise
 
     def run_now(self, enqueue: Callable[[int], Any], stream: int, deadline: float, what: str) -> bool:
-        """`run` from any thread, without the event loop: enqueue on `stream` (a raw handle) and return, the
-        watchdog following the operation. False where it cannot without waiting (a full queue of unfinished
-        operations): the caller then goes through `run` on the loop."""
+        """`run` from any thread, without the event loop: enqueue on `stream` (a raw handle) and return True, the
+        watchdog following the operation. With MAX_IN_FLIGHT operations unfinished, it first waits (bounded)
+        for half of them."""
         if self.broken is not None:
             raise self.broken
         if self.lost:  # a member already known lost: never enqueue what cannot finish
             self.poll()
-        if len(self._pending) >= MAX_IN_FLIGHT and self._prune() is not None:
-            return False
+        if len(self._pending) >= MAX_IN_FLIGHT:  # the device is behind: hold the caller, as NCCL's own queue does
+            while self._prune() is not None and len(self._pending) > MAX_IN_FLIGHT // 2:
+                if self.broken is not None:
+                    raise self.broken
+                if time.monotonic() > deadline + 1.0:  # the watchdog acts at the deadline; this is the backstop
+                    raise CollectiveTimeout(f"{what}: earlier operations did not complete before the deadline")
+                time.sleep(20e-6)
         if self.comm is None:
             raise self.broken or PeerLostError("the vendor communicator was aborted after an error")
         rc = enqueue(stream)
