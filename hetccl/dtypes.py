@@ -67,6 +67,23 @@ def parse_dtype(value: Any) -> DType:
     """A DType from a DType, a name ('float32', 'bf16', ...), a numpy dtype or a torch dtype."""
     if isinstance(value, DType):
         return value
+    try:
+        return _PARSED[value]  # torch and numpy dtypes are hashable: every collective parses one
+    except (KeyError, TypeError):
+        pass
+    dt = _parse_dtype(value)
+    try:
+        if len(_PARSED) < 256:
+            _PARSED[value] = dt
+    except TypeError:
+        pass
+    return dt
+
+
+_PARSED: dict[Any, DType] = {}
+
+
+def _parse_dtype(value: Any) -> DType:
     text = str(value).lower().removeprefix("torch.")
     aliases = {"float": "float32", "double": "float64", "half": "float16", "bf16": "bfloat16",
                "fp16": "float16", "fp32": "float32", "fp64": "float64", "int": "int32", "long": "int64",

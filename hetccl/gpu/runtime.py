@@ -83,6 +83,9 @@ def _driver(vendor: str) -> Any:
     return _DRIVER[vendor]
 
 
+_EVENTS: dict[int, list[int]] = {}  # driver events of each device, free for reuse
+
+
 def record_event(stream: Any, device: int) -> Any:
     """An event recorded on `stream` (a raw handle or a torch stream of `device`), with query(): a driver
     event (about 2 us to make and record) where the driver loads and `device` is current, else a torch
@@ -93,7 +96,8 @@ def record_event(stream: Any, device: int) -> Any:
     if ops is not None and torch.cuda.current_device() == device:  # driver events belong to the current context
         from ..vendor.streamops import RawEvent
 
-        ev = RawEvent(ops, ops.event(), owned=True)
+        pool = _EVENTS.setdefault(device, [])
+        ev = RawEvent(ops, pool.pop() if pool else ops.event(), owned=True, pool=pool)
         ops.record(ev.handle, handle)
         return ev
     if isinstance(stream, int):

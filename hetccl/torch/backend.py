@@ -35,6 +35,9 @@ _OPS = {
 }
 
 
+_OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
+
+
 class UnsupportedError(RuntimeError):
     """An option or argument shape the hetccl torch backend does not implement."""
 
@@ -43,6 +46,9 @@ def _reduce_op(opts: Any) -> tuple[str, float | None]:
     """(hetccl op name, premultiplier): PREMUL_SUM(f) (FSDP2's gradient divide factor) is a sum of inputs * f."""
     op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
     kind = getattr(op, "op", op)
+    name = _OPS_BY_TYPE.get(kind)
+    if name is not None:
+        return name, None
     for torch_op, name in _OPS.items():
         if kind == torch_op:
             return name, None
@@ -271,8 +277,8 @@ class HetcclBackend(dist.ProcessGroup):
 
         if not enqueue_now(self._acomm, name, args, kwargs):
             return None
-        fut = _future(result)
-        fut.set_result(result)  # records the completion on the current streams of the result's devices
+        fut = torch.futures.Future(devices=[args[0].device])
+        fut.set_result(result)  # records the completion on the caller's current stream
         return _Work(fut)
 
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
