@@ -4,7 +4,7 @@ test bed (for information only: under QEMU emulation the numbers say nothing abo
 Run from the repository root on the host (after `pip install -e .` and with the guest wheels in
 .guest-site/, see tests/test_rdma_guest.py):
 
-    ../shared/rdma-testbed/run-in-guest --share . --env PYTHONPATH=/host/.guest-site:/host \
+    tests/rdma-testbed/run-in-guest --share . --env PYTHONPATH=/host/.guest-site:/host \
         -- python3 benchmarks/verbs_softroce.py
 
 It prints a markdown table (MB/s, 10^6 bytes per second): ib_write_bw (RDMA WRITE, one QP, rxe0 to itself)

@@ -38,6 +38,7 @@ def test_matrix_large(n: int, transport: str) -> None:
               dtypes=["float32", "bfloat16", "int64"], ops=["sum", "min"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("n", [2, 3])

@@ -41,6 +41,7 @@ def same_losses(got: list[dict], want: list[dict], what: str) -> None:
             assert abs(x - y) <= 1e-6 * abs(y), f"{what}: rank {r} step {step}: {x} vs gloo {y}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_example_losses_match_gloo(tmp_path):
     gloo = train("hetccl", "gloo", tmp_path / "gloo")

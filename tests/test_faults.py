@@ -132,6 +132,7 @@ def test_netem_total_loss_ends_every_rank_with_an_error(hosts) -> None:
     _total_loss_case(hosts, lambda: _netem(hosts, "100%", verb="change"))
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.timeout(180)
 def test_blackhole_route_total_loss_ends_every_rank_with_an_error(hosts) -> None:

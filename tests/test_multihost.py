@@ -48,6 +48,7 @@ def test_two_hosts_tcp_only(hosts) -> None:
         assert f"rank {rk.rank} fabric ok" in rk.stdout(), hosts.report(ranks)
 
 
+@pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.timeout(180)
 def test_link_down_ends_every_rank_with_an_error(hosts) -> None:

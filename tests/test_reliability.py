@@ -125,6 +125,7 @@ def test_abort_ends_collectives_in_flight() -> None:
     assert "abort ok" in results[0][1], report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("blocked", [False, True])
 def test_hang_report_names_the_rank_behind(tmp_path, blocked: bool) -> None:

@@ -76,6 +76,7 @@ def test_subgroups(n):
     run_torch(n, "subgroup")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("hook", ["none", "allreduce", "bf16", "fp16"])
 def test_ddp_matches_gloo(tmp_path, hook):
@@ -99,6 +100,7 @@ def close(got: list[float], want: list[float], tol: float, what: str) -> None:
         assert abs(a - b) <= tol * abs(b), f"{what} [{i}]: hetccl {a} vs reference {b}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,variant", [(2, "plain"), (3, "mesh"), (2, "hsdp"), (2, "bf16-keep"), (2, "divide")])
 def test_fsdp2_matches_gloo(tmp_path, n, variant):

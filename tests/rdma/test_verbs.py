@@ -1,5 +1,5 @@
 """The verbs transport on real (soft-RoCE) RDMA devices. Runs INSIDE the test-bed guest: the host suite
-starts it through ../shared/rdma-testbed/run-in-guest (tests/test_rdma_guest.py), once with one rxe device
+starts it through tests/rdma-testbed/run-in-guest (tests/test_rdma_guest.py), once with one rxe device
 (`--net dummy`) and once with two devices joined by a veth pair (`--net veth`, ranks alternate devices).
 
 Every rank process is real (launched by `hetccl run`), HETCCL_TRANSPORTS=verbs forces the transport, and
