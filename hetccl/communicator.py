@@ -432,8 +432,9 @@ class Communicator:
             raise ConfigError(f"out and inp dtypes differ ({a.dtype.name.lower()} vs {b.dtype.name.lower()}); "
                               "use the same dtype for both")
 
-    async def close(self) -> None:
-        """Close this communicator; closing the one from init() also closes the connections."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Close this communicator; closing the one from init() also closes the connections, after a closing
+        barrier with the other ranks that waits at most `timeout` s (default: min(10 s, HETCCL_TIMEOUT))."""
         if self._closed:
             return
         if self._gpu_layout is not None or self._children:
@@ -446,9 +447,12 @@ class Communicator:
             with contextlib.suppress(ValueError):
                 self._parent._children.remove(self)
         if self._fabric_owner:
+            from . import lifecycle
+
+            lifecycle.untrack_async(self)
             for c in self._children:
                 c._closed = True
-            await self._fabric.close()
+            await self._fabric.close(barrier_s=timeout)
 
     _fabric_owner = False
     _parent: Communicator | None = None

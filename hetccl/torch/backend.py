@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 import hetccl
+from hetccl import lifecycle
 
 BACKEND_NAME = "hetccl"
 
@@ -192,8 +193,9 @@ class HetcclBackend(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._group_name = group_name
         self._group_desc = ""
-        self._comm = _bootstrap(store, rank, size, timeout)
+        self._comm: hetccl.SyncCommunicator | None = _bootstrap(store, rank, size, timeout)
         self._acomm = self._comm.async_comm
+        lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -253,7 +255,11 @@ class HetcclBackend(dist.ProcessGroup):
                 with torch.cuda.stream(stream):
                     complete(cf)
 
-        self._comm.submit(body()).add_done_callback(done)
+        comm = self._comm
+        if comm is None:
+            raise hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut "
+                                     "down (destroy_process_group or interpreter exit); create a new one")
+        comm.submit(body()).add_done_callback(done)
         return _create_work_from_future(fut)
 
     # ---- collectives ---------------------------------------------------------------------------------
@@ -543,8 +549,13 @@ class HetcclBackend(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         return self._launch(lambda: self._acomm.barrier(), [])
 
-    def shutdown(self) -> None:
+    def _detach(self) -> hetccl.SyncCommunicator | None:
+        """Take the communicator away (later calls fail; shutdown becomes a no-op) and return it."""
         comm, self._comm = getattr(self, "_comm", None), None
+        return comm
+
+    def shutdown(self) -> None:
+        comm = self._detach()
         if comm is not None:
             try:
                 comm.close()
