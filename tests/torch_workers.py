@@ -145,11 +145,12 @@ def case_ops(dtype_name: str) -> None:
         _eq(t, _val(r, (4,), dt, base=root), f"scatter root {root}")
 
     # coalesced: all_gather_coalesced (lists), and the coalescing manager's fast paths
-    outs = [[torch.zeros(2, dtype=dt) for _ in range(n)], [torch.zeros(3, 1, dtype=dt) for _ in range(n)]]
+    # torch's layout: output_tensor_lists[rank][input]
+    outs = [[torch.zeros(2, dtype=dt), torch.zeros(3, 1, dtype=dt)] for _ in range(n)]
     dist.all_gather_coalesced(outs, [_val(r, (2,), dt), _val(r, (3, 1), dt, base=5)])
     for q in range(n):
-        _eq(outs[0][q], _val(q, (2,), dt), f"all_gather_coalesced[0][{q}]")
-        _eq(outs[1][q], _val(q, (3, 1), dt, base=5), f"all_gather_coalesced[1][{q}]")
+        _eq(outs[q][0], _val(q, (2,), dt), f"all_gather_coalesced[{q}][0]")
+        _eq(outs[q][1], _val(q, (3, 1), dt, base=5), f"all_gather_coalesced[{q}][1]")
     from torch.distributed.distributed_c10d import _coalescing_manager
 
     ts = [_val(r, (4,), dt), _val(r, (2, 2), dt, base=3)]
@@ -372,6 +373,19 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
     with open(f"{out_path}.{r}", "w") as f:
         json.dump({"losses": losses, "params": [p.double().sum().item() for p in full]}, f)
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def case_gather_coalesced(backend: str, out_path: str) -> None:
+    """all_gather_coalesced with as many inputs as ranks (the square case, where a transposed layout fits the
+    shapes and goes unnoticed): writes the outputs for the test to compare with Gloo's."""
+    _init(backend)
+    r, n = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.tensor([10 * i + r + 1, 10 * i + r + 1]) for i in range(n)]
+    outs = [[torch.zeros(2, dtype=torch.int64) for _ in range(n)] for _ in range(n)]
+    dist.all_gather_coalesced(outs, inputs)
+    with open(f"{out_path}.{r}", "w") as f:
+        json.dump([[t.tolist() for t in row] for row in outs], f)
     dist.destroy_process_group()
 
 

@@ -325,27 +325,30 @@ class HetcclBackend(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Any:
-        """dist.all_gather_coalesced: output_lists[i][r] receives rank r's inputs[i] (one flat all_gather)."""
-        if len(output_lists) != len(inputs):
-            raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs one output list per input "
-                                   f"({len(output_lists)} lists for {len(inputs)} inputs)")
+        """dist.all_gather_coalesced: output_lists[r][i] receives rank r's inputs[i] (torch's documented layout),
+        through one flat all_gather of every rank's inputs laid end to end."""
+        if len(output_lists) != self._size:
+            raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs one output list per rank "
+                                   f"(world_size={self._size}; got {len(output_lists)} lists)")
         if len({t.dtype for t in inputs}) > 1:
             raise UnsupportedError("hetccl backend: all_gather_coalesced needs one dtype for all inputs")
-        for outs, inp in zip(output_lists, inputs, strict=True):
-            if len(outs) != self._size:
-                raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs {self._size} outputs per input")
-            _same_shapes(outs, inp, "all_gather_coalesced")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise UnsupportedError(f"hetccl backend: all_gather_coalesced output list {r} has {len(outs)} "
+                                       f"tensors; it needs one per input ({len(inputs)})")
+            for i, (o, inp) in enumerate(zip(outs, inputs, strict=True)):
+                _same_shapes([o], inp, f"all_gather_coalesced (output [{r}][{i}])")
         flat_in = _flat(inputs)
         n = flat_in.numel()
         flat = torch.empty(self._size * n, dtype=flat_in.dtype, device="cpu")
 
         def after() -> None:
             with torch.no_grad():
-                for r in range(self._size):
+                for r, outs in enumerate(output_lists):
                     off = r * n
-                    for outs in output_lists:
-                        k = outs[r].numel()
-                        outs[r].copy_(flat[off:off + k].view_as(outs[r]))
+                    for o in outs:
+                        k = o.numel()
+                        o.copy_(flat[off:off + k].view_as(o))
                         off += k
 
         return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after)
