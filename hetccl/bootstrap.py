@@ -217,6 +217,7 @@ class Fabric:
             m.dead_comms.update(dead_comms)
             for key in [k for k in m.early if k[0] in m.dead_comms]:
                 m.early_bytes -= len(m.early.pop(key)[1])
+                m.arrived.pop(key, None)
             m._space.set()
 
     # ---- collective mismatches ---------------------------------------------------------------------------

@@ -78,6 +78,17 @@ def test_ddp_matches_gloo(tmp_path, hook):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [3])
+def test_recv_from_any_source(n):
+    run_torch(n, "anysource")
+
+
+@pytest.mark.timeout(120)
+def test_failed_collective_raises_from_wait():
+    run_torch(2, "work_error")
+
+
+@pytest.mark.timeout(120)
 def test_all_gather_coalesced_layout_matches_gloo(tmp_path):
     """torch's layout output_tensor_lists[rank][input], in the square case (2 ranks, 2 inputs) where the
     transposed layout also fits the shapes: hetccl's outputs equal Gloo's, and both are rank-major."""

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 import hetccl
 from hetccl import lifecycle
@@ -37,7 +36,7 @@ _OPS = {
 }
 
 
-class UnsupportedError(RuntimeError):
+class UnsupportedError(hetccl.HetcclError):
     """An option or argument shape the hetccl torch backend does not implement."""
 
 
@@ -180,6 +179,55 @@ def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> No
                                    f"({ref.numel()} x {ref.dtype}; got {t.numel()} x {t.dtype})")
 
 
+class _FutureWork(dist.Work):
+    """A Work backed by a torch Future that the hetccl loop completes. Not torch's _create_work_from_future:
+    its wait() returns True even when the future holds an error, so a failed collective (a timeout, a lost
+    peer) looked like a success to dist.barrier(), dist.all_reduce() and everything else that waits."""
+
+    def __init__(self, fut: torch.futures.Future, source: list[int] | None = None):
+        super().__init__()
+        self._fut, self._source = fut, source
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._fut.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as e:  # noqa: BLE001 (returned, as c10d's Work.exception() does)
+            return e
+        return None
+
+    def result(self) -> Any:
+        return self._fut.value()
+
+    def synchronize(self) -> None:
+        self._fut.wait()
+
+    def source_rank(self) -> int:
+        """The sender of a receive from any source (torch reads it after wait(): dist.recv's return value)."""
+        if self._source is None:
+            raise UnsupportedError("hetccl backend: source_rank() is only defined for a receive from any source")
+        if not self._source:
+            raise UnsupportedError("hetccl backend: the sender of a receive from any source is known once the "
+                                   "receive has completed; call wait() first")
+        return self._source[0]
+
+    _source_rank = source_rank
+
+
 class HetcclBackend(dist.ProcessGroup):
     """c10d process group whose collectives run on a hetccl communicator.
 
@@ -260,7 +308,7 @@ class HetcclBackend(dist.ProcessGroup):
             raise hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut "
                                      "down (destroy_process_group or interpreter exit); create a new one")
         comm.submit(body()).add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _FutureWork(fut)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -388,7 +436,7 @@ class HetcclBackend(dist.ProcessGroup):
         futs = [w.get_future() for w in works]
         if not futs:
             fut.set_result(result)
-            return _create_work_from_future(fut)
+            return _FutureWork(fut)
 
         def done(_: Any) -> None:
             for f in futs:
@@ -400,7 +448,7 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         torch.futures.collect_all(futs).add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _FutureWork(fut)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         st = _Staged(_single(tensors, "broadcast"))
@@ -503,7 +551,7 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         work.get_future().add_done_callback(done)
-        return _create_work_from_future(fut)
+        return _FutureWork(fut)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:
         root = int(opts.rootRank)
@@ -540,14 +588,23 @@ class HetcclBackend(dist.ProcessGroup):
     # ---- point to point and barrier ------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         st = _Staged(_single(tensors, "send"), writeback=False, host=True)
-        return self._launch(lambda: self._acomm.send(st.buf, int(dst)), list(tensors))
+        return self._launch(lambda: self._acomm.send(st.buf, int(dst), int(tag)), list(tensors))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         st = _Staged(_single(tensors, "recv"), host=True)
-        return self._launch(lambda: self._acomm.recv(st.buf, int(src)), list(tensors), st.finish)
+        return self._launch(lambda: self._acomm.recv(st.buf, int(src), int(tag)), list(tensors), st.finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        raise UnsupportedError("hetccl backend: recv from any source is not supported; pass src=")
+        """dist.recv/irecv without a source: the first message of this tag from any rank; the Work's
+        _source_rank() is the sender (group rank)."""
+        st = _Staged(_single(tensors, "recv"), host=True)
+        source: list[int] = []
+
+        async def run() -> None:
+            source.append(await self._acomm.recv(st.buf, None, int(tag)))
+
+        work = self._launch(run, list(tensors), st.finish)
+        return _FutureWork(work.get_future(), source)
 
     def barrier(self, opts: Any = None) -> Any:
         return self._launch(lambda: self._acomm.barrier(), [])
