@@ -315,9 +315,52 @@ class HetcclBackend(dist.ProcessGroup):
         op, factor = _reduce_op(opts)
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
+        if tensors[0].layout == torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], op, factor)
         st = _Staged(tensors[0])
         _premul(st.buf, factor, inplace=True)
         return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
+        """Sparse COO all_reduce, SUM only (as Gloo): every rank's coalesced indices and values are gathered and
+        summed; the result replaces t. The nnz exchange is a blocking call made here, in program order; the data
+        then moves in one all_gather (indices and values packed per rank), so this op issues the same
+        collectives in the same order on every rank even with other async ops in flight."""
+        if op != "sum" or factor is not None:
+            raise UnsupportedError(f"hetccl backend: sparse all_reduce supports SUM only (got {op.upper()})")
+        if t.device.type != "cpu":
+            raise UnsupportedError("hetccl backend: sparse all_reduce takes CPU tensors")
+        comm = self._comm
+        if comm is None:
+            return self._launch(lambda: self._acomm.barrier(), [t])  # raises the shut-down error
+        c = t.detach().coalesce()
+        idx, val = c.indices().to(torch.int64), c.values().contiguous()
+        n, nnz, sdim, dense = self._size, idx.shape[1], idx.shape[0], tuple(val.shape[1:])
+        counts = torch.zeros(n, dtype=torch.int64)
+        comm.all_gather(counts, torch.tensor([nnz], dtype=torch.int64))
+        most = int(counts.max())
+        pidx = torch.zeros(sdim, most, dtype=torch.int64)
+        pidx[:, :nnz] = idx
+        pval = torch.zeros((most, *dense), dtype=val.dtype)
+        pval[:nnz] = val
+        ib, vb = pidx.numel() * 8, pval.numel() * pval.element_size()
+        per = ib + vb + (-vb) % 8  # every rank's block starts 8-byte aligned (int64 views)
+        mine = torch.zeros(per, dtype=torch.uint8)
+        mine[:ib] = pidx.reshape(-1).view(torch.uint8)
+        mine[ib:ib + vb] = pval.reshape(-1).view(torch.uint8)
+        every = torch.empty(n * per, dtype=torch.uint8)
+
+        def after() -> None:
+            idxs, vals = [], []
+            for r in range(n):
+                block, k = every[r * per:(r + 1) * per], int(counts[r])
+                idxs.append(block[:ib].view(torch.int64).reshape(sdim, most)[:, :k])
+                vals.append(block[ib:ib + vb].view(val.dtype).reshape(most, *dense)[:k])
+            total = torch.sparse_coo_tensor(torch.cat(idxs, 1), torch.cat(vals), c.shape).coalesce()
+            with torch.no_grad():
+                t.copy_(total)
+
+        return self._launch(lambda: self._acomm.all_gather(every, mine), [t], after)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = _reduce_op(opts)
