@@ -61,6 +61,13 @@ def test_hetccl_run_reports_the_exit_code() -> None:
     assert "exit code 3" in res.errs[0], res.report()
 
 
+def run_python(code: str) -> None:
+    """One single-rank process running `code`; it must exit 0."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, HETCCL_SECRET="test"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_close_all_twice_and_after_close_is_harmless() -> None:
     """lifecycle.close_all finds nothing once everything is closed (a program that closed its communicators)."""
     code = ("import hetccl, hetccl.lifecycle as lc\n"
@@ -71,9 +78,7 @@ def test_close_all_twice_and_after_close_is_harmless() -> None:
             "lc.close_all()\n"
             "assert not c2._runner.thread.is_alive() and c2._comm._closed\n"
             "c2.close()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, HETCCL_SECRET="test"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python(code)
 
 
 def test_forked_child_leaves_the_parents_communicator_alone() -> None:
@@ -91,6 +96,4 @@ def test_forked_child_leaves_the_parents_communicator_alone() -> None:
             "assert os.waitstatus_to_exitcode(status) == 0, status\n"
             "a = np.ones(4, np.float32); c.all_reduce(a); assert not c._comm._closed\n"
             "c.close()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, HETCCL_SECRET="test"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python(code)
