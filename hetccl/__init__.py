@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
+from . import lifecycle
 from .communicator import Communicator
 from .config import Identity, Settings, identity_from_env, parse_addr
 from .dtypes import DType, ReduceOp
@@ -61,6 +63,7 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     fabric = await Fabric.create(ident, settings)
     comm = Communicator(fabric, 1, list(range(ident.world_size)))
     comm._fabric_owner = True
+    lifecycle.track_async(comm, asyncio.get_running_loop())  # closed at exit if the program does not
     if comm._islands > 1:  # heterogeneous job: island and leader sub-communicators, built collectively now
         from .gpu import dispatch
 
@@ -73,14 +76,23 @@ def init_sync(**kwargs: Any) -> SyncCommunicator:
     return SyncCommunicator.create(init, **kwargs)
 
 
-def run(main: Any) -> Any:
-    """Run a coroutine on uvloop (hetccl's transports are fastest there): hetccl.run(main())."""
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine on uvloop (hetccl's transports are fastest there): hetccl.run(main()).
+
+    Communicators from init() that main leaves open (it returns, raises or calls sys.exit) are closed before
+    the loop ends, with the closing barrier bounded by lifecycle.EXIT_WAIT_S."""
+
+    async def guarded() -> Any:
+        try:
+            return await main
+        finally:
+            await lifecycle.close_loop(asyncio.get_running_loop())
+
     try:
         import uvloop
-
-        return uvloop.run(main)
     except ImportError:  # pragma: no cover
-        return asyncio.run(main)
+        return asyncio.run(guarded())
+    return uvloop.run(guarded())
 
 
 __all__ = [

@@ -225,6 +225,7 @@ class Fabric:
             m.dead_comms.update(dead_comms)
             for key in [k for k in m.early if k[0] in m.dead_comms]:
                 m.early_bytes -= len(m.early.pop(key)[1])
+                m.arrived.pop(key, None)
             m._space.set()
 
     # ---- collective mismatches ---------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class Fabric:
         kinds = {self.peer_transport.get(p, "tcp") for p in peers if p != self.rank}
         return "shm" if kinds <= {"shm"} else "tcp"
 
-    async def close(self, graceful: bool = True) -> None:
+    async def close(self, graceful: bool = True, barrier_s: float | None = None) -> None:
         if self.closed:
             return
         self.closed = True
@@ -324,7 +325,7 @@ class Fabric:
         if graceful and self.store is not None and self.size > 1:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with
             # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier
-            wait = min(10.0, self.settings.timeout)
+            wait = min(10.0, self.settings.timeout, barrier_s if barrier_s is not None else 10.0)
             with contextlib.suppress(HetcclError, OSError, TimeoutError):
                 async with asyncio.timeout(wait if not self.lost else 1.0):
                     await self.store.set(f"{self.job}/closing/{self.rank}", 1)

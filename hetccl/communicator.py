@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import defaultdict
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -85,8 +86,14 @@ class Communicator:
         self._global_to_comm = {g: i for i, g in enumerate(members)}
         self._endpoints = {i: fabric.endpoints[g] for i, g in enumerate(members) if g != fabric.rank}
         self._seq = 0
-        self._send_seq: dict[int, int] = defaultdict(int)
-        self._recv_seq: dict[int, int] = defaultdict(int)
+        # point to point: one ordered stream per (peer, tag), numbered on each side; each tag has its own wire
+        # communicator id (_p2p_id), so frames of different tags never share a (comm, seq) key
+        self._send_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._recv_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._p2p_ids: dict[int, int] = {0: comm_id | P2P_SPACE}
+        # per tag: completes once every receive posted before has its (peer, seq); only receives from any
+        # source keep it pending, and receives posted behind one wait (MPI: receives match in posting order)
+        self._recv_gate: dict[int, asyncio.Future[None]] = {}
         self._splits = 0
         self._closed = False
         self._pool = _ScratchPool()
@@ -312,31 +319,151 @@ class Communicator:
                               f"not {self.rank})")
         return int(peer)
 
-    async def send(self, buf: Any, peer: int) -> None:
-        """Send buf to peer; matched in order with the peer's recv calls from this rank."""
+    def _p2p_id(self, tag: int) -> int:
+        """The wire communicator id of one tag's point-to-point streams (tag 0: comm_id | P2P_SPACE)."""
+        pid = self._p2p_ids.get(tag)
+        if pid is None:
+            if not isinstance(tag, int | np.integer):
+                raise ConfigError(f"tag={tag!r} must be an int")
+            pid = self._p2p_ids[int(tag)] = _derived_id(self.comm_id, f"p2p-tag/{int(tag)}") | P2P_SPACE
+        return pid
+
+    async def send(self, buf: Any, peer: int, tag: int = 0) -> None:
+        """Send buf to peer; matched in order with the peer's receives of the same tag from this rank (or from
+        any source)."""
         self._check_open()
         peer = self._peer(peer)
         b = as_buf(buf, "buf", writable=False)
-        seq = self._send_seq[peer]
-        self._send_seq[peer] = (seq + 1) & 0xFFFFFFFF
-        fp = Fingerprint(self.comm_id | P2P_SPACE, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        pid = self._p2p_id(tag)
+        seq = self._send_seq[peer, tag]
+        self._send_seq[peer, tag] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(pid, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
         ep = self._endpoints[peer]
-        await run_collective(self, fp, lambda: ep.send(fp, P2P_TAG | self.rank, b.data))
+        await run_collective(self, fp, lambda: ep.send(fp, P2P_TAG | self.rank, b.data), peers=(peer,))
 
-    async def recv(self, buf: Any, peer: int) -> None:
-        """Receive into buf from peer (same dtype and count as the matching send)."""
+    async def recv(self, buf: Any, peer: int | None = None, tag: int = 0) -> int:
+        """Receive into buf (same dtype and count as the matching send) from `peer`, or with peer=None from any
+        source: the first message of this tag to arrive from any rank (per sender, messages still match in
+        order; a receive posted later never takes a message an earlier one could). Returns the sender's rank."""
         self._check_open()
-        peer = self._peer(peer)
+        if peer is not None:
+            peer = self._peer(peer)
         b = as_buf(buf, "buf")
-        seq = self._recv_seq[peer]
-        self._recv_seq[peer] = (seq + 1) & 0xFFFFFFFF
-        fp = Fingerprint(self.comm_id | P2P_SPACE, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+        pid = self._p2p_id(tag)
+        prev = self._recv_gate.get(tag)
+        if peer is not None and (prev is None or prev.done()):
+            # the common path: nothing unresolved ahead, so the sequence number is taken before any await
+            return await self._recv_from(b, peer, tag, pid)
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._recv_gate[tag] = gate
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
+            if peer is not None:
+                receive = self._recv_from(b, peer, tag, pid)  # takes the sequence number now
+                gate.set_result(None)
+                return await receive
+            return await self._recv_any(b, tag, pid, gate)
+        finally:
+            if not gate.done():  # failed or cancelled before this receive's peer was known
+                if prev is None or prev.done():
+                    gate.set_result(None)
+                else:  # still behind an earlier one: later receives wait for it too
+                    prev.add_done_callback(lambda _: gate.done() or gate.set_result(None))
+            if self._recv_gate.get(tag) is gate and gate.done():
+                del self._recv_gate[tag]
+
+    def _recv_from(self, b: Buf, peer: int, tag: int, pid: int) -> Coroutine[Any, Any, int]:
+        """Take the next sequence number of (peer, tag) now; the returned coroutine receives that message."""
+        seq = self._recv_seq[peer, tag]
+        self._recv_seq[peer, tag] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(pid, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
         ep = self._endpoints[peer]
 
         async def body() -> None:
             await ep.post_recv(fp, P2P_TAG | peer, b.data)
 
-        await run_collective(self, fp, body)
+        async def receive() -> int:
+            await run_collective(self, fp, body, peers=(peer,))
+            return peer
+
+        return receive()
+
+    async def _recv_any(self, b: Buf, tag: int, pid: int, gate: asyncio.Future[None]) -> int:
+        """Post one receive on every peer's next expected message of this tag; the first to arrive (or, among
+        messages already here, the earliest arrived) wins and only that peer's counter moves on."""
+        from .transports.base import AnySource
+
+        peers = sorted(self._endpoints)
+        if not peers:
+            raise ConfigError("recv from any source on a communicator of one rank: there is no other rank")
+
+        def fp_of(p: int) -> Fingerprint:
+            return Fingerprint(pid, self._recv_seq[p, tag], CollOp.SEND_RECV, int(b.dtype), b.count, -1, _NO_OP)
+
+        def resolved(p: int) -> None:
+            self._recv_seq[p, tag] = (self._recv_seq[p, tag] + 1) & 0xFFFFFFFF
+            gate.set_result(None)
+
+        # a message already here: the earliest arrived
+        here = [(self._endpoints[p].matcher.arrived.get((pid, self._recv_seq[p, tag], P2P_TAG | p)), p)
+                for p in peers]
+        here = [(stamp, p) for stamp, p in here if stamp is not None]
+        if here:
+            p = min(here)[1]
+            fp = fp_of(p)
+            resolved(p)
+            ep = self._endpoints[p]
+            await run_collective(self, fp, lambda: ep.post_recv(fp, P2P_TAG | p, b.data), peers=(p,))
+            return p
+        group = AnySource()
+        waits: dict[asyncio.Future[Any], int] = {}
+        for p in peers:  # all in one step: no frame can be taken between two of these posts
+            ep = self._endpoints[p]
+            fp = fp_of(p)
+            key = (pid, fp.seq, P2P_TAG | p)
+            awaitable = ep.post_recv(fp, P2P_TAG | p, b.data)
+            req = ep.matcher.posted.get(key)
+            if req is None:  # completed at once: failed (a lost peer, a poisoned communicator) or delivered
+                group.unpost()
+                for w in waits:
+                    w.cancel()
+                await awaitable
+                resolved(p)
+                return p
+            group.add(ep.matcher, key, req)
+            waits[asyncio.ensure_future(awaitable)] = p
+        desc = fp_of(peers[0])  # names the receive in a timeout message; withdraws nothing (peers=())
+
+        async def body() -> int:
+            try:
+                pending = set(waits)
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for w in done:
+                        if w.cancelled():  # withdrawn because another peer's message won
+                            continue
+                        if w.exception() is not None:
+                            raise w.exception()  # type: ignore[misc]
+                        return waits[w]
+                raise HetcclError("recv from any source: every posting was withdrawn")  # not reached
+            finally:
+                group.unpost(keep=group.winner)
+                for w in waits:
+                    w.cancel()
+
+        def won() -> None:
+            if group.winner is not None and not gate.done():
+                resolved(next(p for p in peers if self._endpoints[p].matcher is group.winner))
+
+        # the peer is known as soon as its frame is taken (before the data has landed): later receives go on
+        for _m, _key, req in group.posts:
+            req.fut.add_done_callback(lambda _f: won())
+        task = asyncio.ensure_future(run_collective(self, desc, body, peers=()))
+        try:
+            return await task
+        finally:
+            won()
 
     # ---- groups --------------------------------------------------------------------------------------
     async def split(self, color: int | None, key: int = 0, _layout: bool = True) -> Communicator | None:
@@ -373,7 +500,8 @@ class Communicator:
         self._watchdog.abort_all()
         for ep in self._endpoints.values():
             ep.matcher.cancel_comm(self.comm_id, self._aborted)
-            ep.matcher.cancel_comm(self.comm_id | P2P_SPACE, self._aborted)
+            for pid in self._p2p_ids.values():
+                ep.matcher.cancel_comm(pid, self._aborted)
         if self._gpu_layout is not None:
             from .gpu import dispatch
 
@@ -399,7 +527,7 @@ class Communicator:
         self.abort()  # nothing of the old communicator runs on
         while True:
             alive = [g for g in self._members if g not in fab.lost]
-            fab.heal([g for g in alive if g != fab.rank], dead_comms=(self.comm_id, self.comm_id | P2P_SPACE))
+            fab.heal([g for g in alive if g != fab.rank], dead_comms=(self.comm_id, *self._p2p_ids.values()))
             seen = np.array([1 if g in fab.lost else 0 for g in self._members], np.uint8)
             # survivors with the same view run the same probe; a new loss seen meanwhile restarts it
             probe = Communicator(fab, _derived_id(self.comm_id, f"shrink/{alive}"), alive)
@@ -435,8 +563,9 @@ class Communicator:
             raise ConfigError(f"out and inp dtypes differ ({a.dtype.name.lower()} vs {b.dtype.name.lower()}); "
                               "use the same dtype for both")
 
-    async def close(self) -> None:
-        """Close this communicator; closing the one from init() also closes the connections."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Close this communicator; closing the one from init() also closes the connections, after a closing
+        barrier with the other ranks that waits at most `timeout` s (default: min(10 s, HETCCL_TIMEOUT))."""
         if self._closed:
             return
         if self._gpu_layout is not None or self._children:
@@ -449,9 +578,12 @@ class Communicator:
             with contextlib.suppress(ValueError):
                 self._parent._children.remove(self)
         if self._fabric_owner:
+            from . import lifecycle
+
+            lifecycle.untrack_async(self)
             for c in self._children:
                 c._closed = True
-            await self._fabric.close()
+            await self._fabric.close(barrier_s=timeout)
 
     _fabric_owner = False
     _parent: Communicator | None = None

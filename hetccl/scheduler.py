@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -179,9 +179,11 @@ class Watchdog:
         self._handle = loop.call_later(period, self._tick, loop, period) if self.inflight else None
 
 
-async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[], Coroutine[Any, Any, Any]]
-                         ) -> Any:
-    """Run one collective under the communicator's deadline; on failure, withdraw its receives."""
+async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[], Coroutine[Any, Any, Any]],
+                         peers: Sequence[int] | None = None) -> Any:
+    """Run one collective under the communicator's deadline; on failure, withdraw its receives from `peers`
+    (communicator ranks; default every peer). Point-to-point numbers its messages per peer, so a failed receive
+    from one peer must not withdraw the same sequence number from the others."""
     timeout = comm._settings.timeout
     if comm._aborted is not None:
         raise comm._aborted
@@ -201,14 +203,14 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         return result
     except asyncio.CancelledError:
         if not rec[2]:
-            _withdraw(comm, fp, HetcclError("cancelled"))
+            _withdraw(comm, fp, peers, HetcclError("cancelled"))
             raise
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
         if rec[2] == ABORTED:
             exc = comm._aborted or CommAbortedError(f"rank {comm.rank}: {fp.describe()} ended by comm.abort()")
-            _withdraw(comm, fp, exc)
+            _withdraw(comm, fp, peers, exc)
             raise exc from None
         waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer)
                           for ep in comm._endpoints.values()
@@ -224,18 +226,19 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
             except Exception as err:  # noqa: BLE001 (the report is best effort; the timeout is what counts)
                 summary = f"; no hang report ({err!r})"
         exc = CollectiveTimeout(
-            f"rank {comm.rank}: {fp.describe()} did not complete within {timeout:.0f} s (HETCCL_TIMEOUT)"
+            f"rank {comm.rank}: {fp.describe()} did not complete within {timeout:g} s (the timeout of this "
+            "communicator: HETCCL_TIMEOUT, or the torch process group's)"
             + (f"; still waiting for data from rank(s) {waiting}" if waiting else "")
             + "; a peer is stuck, dead, or issued a different collective" + summary)
-        _withdraw(comm, fp, exc)
+        _withdraw(comm, fp, peers, exc)
         raise exc from None
     except CollectiveMismatchError as exc:
-        _withdraw(comm, fp, exc)
+        _withdraw(comm, fp, peers, exc)
         if comm._fabric.poisoned.get(fp.comm) is not exc:  # found here, not reported by another rank
             comm._fabric.report_mismatch(fp, exc, [g for g in comm._members if g != comm._fabric.rank])
         raise
     except BaseException as exc:
-        _withdraw(comm, fp, exc if isinstance(exc, Exception) else HetcclError("interrupted"))
+        _withdraw(comm, fp, peers, exc if isinstance(exc, Exception) else HetcclError("interrupted"))
         raise
     finally:
         comm._watchdog.exit(key)
@@ -252,6 +255,7 @@ def _check_leftovers(comm: Communicator, fp: Fingerprint) -> None:
                     raise comm._fabric.mismatch_found(comm, fp, got, comm._members[peer])
 
 
-def _withdraw(comm: Communicator, fp: Fingerprint, exc: BaseException) -> None:
-    for ep in comm._endpoints.values():
-        ep.cancel(fp.comm, fp.seq, exc)
+def _withdraw(comm: Communicator, fp: Fingerprint, peers: Sequence[int] | None, exc: BaseException) -> None:
+    for p, ep in comm._endpoints.items():
+        if peers is None or p in peers:
+            ep.cancel(fp.comm, fp.seq, exc)

@@ -4,13 +4,29 @@ call waits for its coroutine there. The PyTorch backend builds on it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from . import lifecycle
 from .errors import CollectiveTimeout
 
+log = logging.getLogger("hetccl")
+
 _SLACK_S = 30.0  # beyond the collective's own deadline, which raises first
+
+
+async def _cancel_leftovers(grace: float) -> None:
+    """Cancel the tasks still on the loop (a close that gave up leaves readers behind) and let them unwind,
+    so the loop closes without pending tasks."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace)
 
 
 class _LoopThread:
@@ -23,6 +39,7 @@ class _LoopThread:
             self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="hetccl-loop", daemon=True)
         self.thread.start()
+        self._stopping = False
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -32,11 +49,28 @@ class _LoopThread:
             fut.cancel()
             raise CollectiveTimeout(f"hetccl call did not return within {timeout:.0f} s") from None
 
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        if not self.thread.is_alive():
+    def request_stop(self) -> None:
+        """Cancel what is left on the loop and ask it to stop (idempotent; stop() waits for the thread)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if not self.thread.is_alive() or self.loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop may have closed meanwhile
+            cf = asyncio.run_coroutine_threadsafe(_cancel_leftovers(0.5), self.loop)
+            cf.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self.loop.stop))
+
+    def stop(self, join_s: float = 5.0) -> bool:
+        """Stop the loop and join its thread (at most join_s s); True once the thread has ended."""
+        self.request_stop()
+        if self.thread is not threading.current_thread():
+            self.thread.join(join_s)
+        if self.thread.is_alive():
+            log.warning("hetccl: the event-loop thread did not stop within %.1f s", join_s)
+            return False
+        if not self.loop.is_closed():
             self.loop.close()
+        return True
 
 
 class SyncCommunicator:
@@ -49,6 +83,9 @@ class SyncCommunicator:
         self._comm, self._runner, self._owner = comm, runner, owner
         self.rank, self.size = comm.rank, comm.size
         self._limit = comm._settings.timeout + _SLACK_S
+        self._closed = False
+        if owner:  # closed at interpreter exit if the program does not (hetccl.lifecycle)
+            lifecycle.track_sync(self)
 
     @classmethod
     def create(cls, init: Callable[..., Coroutine[Any, Any, Any]], **kwargs: Any) -> SyncCommunicator:
@@ -97,9 +134,30 @@ class SyncCommunicator:
     def abort(self) -> None:
         self._runner.loop.call_soon_threadsafe(self._comm.abort)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Close (idempotent). `timeout` bounds the wait for peers in the closing barrier (default: min(10 s,
+        HETCCL_TIMEOUT)); closing the communicator from init_sync() also stops the background loop."""
+        if self._closed:
+            return
+        self._closed = True
+        lifecycle.untrack_sync(self)
         try:
-            self._runner.call(self._comm.close(), 60.0)
+            self._runner.call(self._comm.close(timeout=timeout), 60.0 if timeout is None
+                              else timeout + lifecycle.CLOSE_SLACK_S + 1.0)
         finally:
             if self._owner:
                 self._runner.stop()
+
+    def _begin_close(self, wait: float) -> concurrent.futures.Future[Any] | None:
+        """Start a bounded, error-swallowing close on the loop without waiting (interpreter exit closes every
+        open communicator at once); the caller stops the loop afterwards."""
+        if self._closed:
+            return None
+        self._closed = True
+        lifecycle.untrack_sync(self)
+        if not self._runner.thread.is_alive():
+            return None
+        try:
+            return asyncio.run_coroutine_threadsafe(lifecycle.bounded_close(self._comm, wait), self._runner.loop)
+        except RuntimeError:  # the loop is already closed
+            return None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl
+from hetccl import lifecycle
 
 BACKEND_NAME = "hetccl"
 
@@ -38,7 +39,7 @@ _OPS = {
 _OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
 
 
-class UnsupportedError(RuntimeError):
+class UnsupportedError(hetccl.HetcclError):
     """An option or argument shape the hetccl torch backend does not implement."""
 
 
@@ -178,15 +179,21 @@ def _future(result: Any) -> torch.futures.Future:
     return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
 
-class _Work(dist._Work):
-    """The Work of one operation, backed by its future. torch's own wrapper (`_create_work_from_future`)
-    returns from wait() without raising when the future failed, so a collective that failed or timed out
-    looked complete and left its output stale; this one raises the hetccl error from wait(). For CUDA results,
-    wait() only makes the waiter's current stream wait for the completion events, as ProcessGroupNCCL does."""
+def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
+    for t in ts:
+        if t.numel() != ref.numel() or t.dtype != ref.dtype:
+            raise UnsupportedError(f"hetccl backend: {what} needs every tensor to have the input's size and dtype "
+                                   f"({ref.numel()} x {ref.dtype}; got {t.numel()} x {t.dtype})")
 
-    def __init__(self, fut: torch.futures.Future):
+
+class _FutureWork(dist.Work):
+    """A Work backed by a torch Future that the hetccl loop completes. Not torch's _create_work_from_future:
+    its wait() returns True even when the future holds an error, so a failed collective (a timeout, a lost
+    peer) looked like a success to dist.barrier(), dist.all_reduce() and everything else that waits."""
+
+    def __init__(self, fut: torch.futures.Future, source: list[int] | None = None):
         super().__init__()
-        self._fut = fut
+        self._fut, self._source = fut, source
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._fut.wait()  # raises the operation's error
@@ -198,12 +205,34 @@ class _Work(dist._Work):
     def is_completed(self) -> bool:
         return self._fut.done()
 
+    def is_success(self) -> bool:
+        return self._fut.done() and self.exception() is None
 
-def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> None:
-    for t in ts:
-        if t.numel() != ref.numel() or t.dtype != ref.dtype:
-            raise UnsupportedError(f"hetccl backend: {what} needs every tensor to have the input's size and dtype "
-                                   f"({ref.numel()} x {ref.dtype}; got {t.numel()} x {t.dtype})")
+    def exception(self) -> BaseException | None:
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as e:  # noqa: BLE001 (returned, as c10d's Work.exception() does)
+            return e
+        return None
+
+    def result(self) -> Any:
+        return self._fut.value()
+
+    def synchronize(self) -> None:
+        self._fut.wait()
+
+    def source_rank(self) -> int:
+        """The sender of a receive from any source (torch reads it after wait(): dist.recv's return value)."""
+        if self._source is None:
+            raise UnsupportedError("hetccl backend: source_rank() is only defined for a receive from any source")
+        if not self._source:
+            raise UnsupportedError("hetccl backend: the sender of a receive from any source is known once the "
+                                   "receive has completed; call wait() first")
+        return self._source[0]
+
+    _source_rank = source_rank
 
 
 class HetcclBackend(dist.ProcessGroup):
@@ -219,12 +248,13 @@ class HetcclBackend(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._group_name = group_name
         self._group_desc = ""
-        self._comm = _bootstrap(store, rank, size, timeout)
+        self._comm: hetccl.SyncCommunicator | None = _bootstrap(store, rank, size, timeout)
         self._acomm = self._comm.async_comm
         # operations handed to the loop thread and not yet finished (each counter written by one thread): while
         # any is, device collectives go through the loop too, so that every rank enqueues them in issue order
         self._submitted = 0
         self._finished = 0
+        lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
@@ -279,7 +309,7 @@ class HetcclBackend(dist.ProcessGroup):
             return None
         fut = torch.futures.Future(devices=[args[0].device])
         fut.set_result(result)  # records the completion on the caller's current stream
-        return _Work(fut)
+        return _FutureWork(fut)
 
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
                 after: Callable[[], None] | None = None) -> Any:
@@ -318,15 +348,21 @@ class HetcclBackend(dist.ProcessGroup):
                 with torch.cuda.stream(stream):
                     complete(cf)
 
+        comm = self._comm
+        if comm is None:
+            raise hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut "
+                                     "down (destroy_process_group or interpreter exit); create a new one")
         self._submitted += 1
-        self._comm.submit(body()).add_done_callback(done)
-        return _Work(fut)
+        comm.submit(body()).add_done_callback(done)
+        return _FutureWork(fut)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = _reduce_op(opts)
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
+        if tensors[0].layout == torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], op, factor)
         st = _Staged(tensors[0])
         _premul(st.buf, factor, inplace=True)
         if not st.writeback:
@@ -334,6 +370,47 @@ class HetcclBackend(dist.ProcessGroup):
             if work is not None:
                 return work
         return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
+        """Sparse COO all_reduce, SUM only (as Gloo): every rank's coalesced indices and values are gathered and
+        summed; the result replaces t. The nnz exchange is a blocking call made here, in program order; the data
+        then moves in one all_gather (indices and values packed per rank), so this op issues the same
+        collectives in the same order on every rank even with other async ops in flight."""
+        if op != "sum" or factor is not None:
+            raise UnsupportedError(f"hetccl backend: sparse all_reduce supports SUM only (got {op.upper()})")
+        if t.device.type != "cpu":
+            raise UnsupportedError("hetccl backend: sparse all_reduce takes CPU tensors")
+        comm = self._comm
+        if comm is None:
+            return self._launch(lambda: self._acomm.barrier(), [t])  # raises the shut-down error
+        c = t.detach().coalesce()
+        idx, val = c.indices().to(torch.int64), c.values().contiguous()
+        n, nnz, sdim, dense = self._size, idx.shape[1], idx.shape[0], tuple(val.shape[1:])
+        counts = torch.zeros(n, dtype=torch.int64)
+        comm.all_gather(counts, torch.tensor([nnz], dtype=torch.int64))
+        most = int(counts.max())
+        pidx = torch.zeros(sdim, most, dtype=torch.int64)
+        pidx[:, :nnz] = idx
+        pval = torch.zeros((most, *dense), dtype=val.dtype)
+        pval[:nnz] = val
+        ib, vb = pidx.numel() * 8, pval.numel() * pval.element_size()
+        per = ib + vb + (-vb) % 8  # every rank's block starts 8-byte aligned (int64 views)
+        mine = torch.zeros(per, dtype=torch.uint8)
+        mine[:ib] = pidx.reshape(-1).view(torch.uint8)
+        mine[ib:ib + vb] = pval.reshape(-1).view(torch.uint8)
+        every = torch.empty(n * per, dtype=torch.uint8)
+
+        def after() -> None:
+            idxs, vals = [], []
+            for r in range(n):
+                block, k = every[r * per:(r + 1) * per], int(counts[r])
+                idxs.append(block[:ib].view(torch.int64).reshape(sdim, most)[:, :k])
+                vals.append(block[ib:ib + vb].view(val.dtype).reshape(most, *dense)[:k])
+            total = torch.sparse_coo_tensor(torch.cat(idxs, 1), torch.cat(vals), c.shape).coalesce()
+            with torch.no_grad():
+                t.copy_(total)
+
+        return self._launch(lambda: self._acomm.all_gather(every, mine), [t], after)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op, factor = _reduce_op(opts)
@@ -393,27 +470,30 @@ class HetcclBackend(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Any:
-        """dist.all_gather_coalesced: output_lists[i][r] receives rank r's inputs[i] (one flat all_gather)."""
-        if len(output_lists) != len(inputs):
-            raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs one output list per input "
-                                   f"({len(output_lists)} lists for {len(inputs)} inputs)")
+        """dist.all_gather_coalesced: output_lists[r][i] receives rank r's inputs[i] (torch's documented layout),
+        through one flat all_gather of every rank's inputs laid end to end."""
+        if len(output_lists) != self._size:
+            raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs one output list per rank "
+                                   f"(world_size={self._size}; got {len(output_lists)} lists)")
         if len({t.dtype for t in inputs}) > 1:
             raise UnsupportedError("hetccl backend: all_gather_coalesced needs one dtype for all inputs")
-        for outs, inp in zip(output_lists, inputs, strict=True):
-            if len(outs) != self._size:
-                raise UnsupportedError(f"hetccl backend: all_gather_coalesced needs {self._size} outputs per input")
-            _same_shapes(outs, inp, "all_gather_coalesced")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise UnsupportedError(f"hetccl backend: all_gather_coalesced output list {r} has {len(outs)} "
+                                       f"tensors; it needs one per input ({len(inputs)})")
+            for i, (o, inp) in enumerate(zip(outs, inputs, strict=True)):
+                _same_shapes([o], inp, f"all_gather_coalesced (output [{r}][{i}])")
         flat_in = _flat(inputs)
         n = flat_in.numel()
         flat = torch.empty(self._size * n, dtype=flat_in.dtype, device=flat_in.device)
 
         def after() -> None:
             with torch.no_grad():
-                for r in range(self._size):
+                for r, outs in enumerate(output_lists):
                     off = r * n
-                    for outs in output_lists:
-                        k = outs[r].numel()
-                        outs[r].copy_(flat[off:off + k].view_as(outs[r]))
+                    for o in outs:
+                        k = o.numel()
+                        o.copy_(flat[off:off + k].view_as(o))
                         off += k
 
         return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after)
@@ -457,7 +537,7 @@ class HetcclBackend(dist.ProcessGroup):
         futs = [w.get_future() for w in works]
         if not futs:
             fut.set_result(result)
-            return _Work(fut)
+            return _FutureWork(fut)
 
         def done(_: Any) -> None:
             for f in futs:
@@ -469,7 +549,7 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         torch.futures.collect_all(futs).add_done_callback(done)
-        return _Work(fut)
+        return _FutureWork(fut)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         st = _Staged(_single(tensors, "broadcast"))
@@ -576,7 +656,7 @@ class HetcclBackend(dist.ProcessGroup):
             fut.set_result(result)
 
         work.get_future().add_done_callback(done)
-        return _Work(fut)
+        return _FutureWork(fut)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:
         root = int(opts.rootRank)
@@ -613,20 +693,34 @@ class HetcclBackend(dist.ProcessGroup):
     # ---- point to point and barrier ------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         st = _Staged(_single(tensors, "send"), writeback=False, host=True)
-        return self._launch(lambda: self._acomm.send(st.buf, int(dst)), list(tensors))
+        return self._launch(lambda: self._acomm.send(st.buf, int(dst), int(tag)), list(tensors))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         st = _Staged(_single(tensors, "recv"), host=True)
-        return self._launch(lambda: self._acomm.recv(st.buf, int(src)), list(tensors), st.finish)
+        return self._launch(lambda: self._acomm.recv(st.buf, int(src), int(tag)), list(tensors), st.finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        raise UnsupportedError("hetccl backend: recv from any source is not supported; pass src=")
+        """dist.recv/irecv without a source: the first message of this tag from any rank; the Work's
+        _source_rank() is the sender (group rank)."""
+        st = _Staged(_single(tensors, "recv"), host=True)
+        source: list[int] = []
+
+        async def run() -> None:
+            source.append(await self._acomm.recv(st.buf, None, int(tag)))
+
+        work = self._launch(run, list(tensors), st.finish)
+        return _FutureWork(work.get_future(), source)
 
     def barrier(self, opts: Any = None) -> Any:
         return self._launch(lambda: self._acomm.barrier(), [])
 
-    def shutdown(self) -> None:
+    def _detach(self) -> hetccl.SyncCommunicator | None:
+        """Take the communicator away (later calls fail; shutdown becomes a no-op) and return it."""
         comm, self._comm = getattr(self, "_comm", None), None
+        return comm
+
+    def shutdown(self) -> None:
+        comm = self._detach()
         if comm is not None:
             try:
                 comm.close()

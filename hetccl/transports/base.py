@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,11 +145,16 @@ NOTICE_MAX_BYTES = 4096
 HELD_NOTICES = 64  # control frames kept per peer while the fabric has not yet installed its handler
 
 
+P2P_HIGH = 0xFFFF  # tag >> 48 of point-to-point frames (communicator.P2P_TAG)
+_arrivals = itertools.count()  # process-wide order of early point-to-point frames (receive from any source)
+
+
 class RecvRequest:
-    __slots__ = ("fp", "dst", "reduce", "fut")
+    __slots__ = ("fp", "dst", "reduce", "fut", "group")
 
     def __init__(self, fp: Fingerprint, dst: np.ndarray, reduce: Any, fut: asyncio.Future):
         self.fp, self.dst, self.reduce, self.fut = fp, dst, reduce, fut
+        self.group: AnySource | None = None
 
     def deliver(self, data: Any) -> None:
         """Land `data` (bytes of the message) in dst: copy or reduce."""
@@ -160,6 +166,34 @@ class RecvRequest:
             self.reduce(self.dst, data)
         if not self.fut.done():
             self.fut.set_result(None)
+
+
+class AnySource:
+    """One receive posted to several peers at once (receive from any source): the first message taken wins,
+    and in that same step the other peers' postings are removed from their matchers, without marking anything
+    withdrawn, so those peers' messages stay for later receives (MPI's ANY_SOURCE: one message is consumed)."""
+
+    __slots__ = ("posts", "winner")
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[Matcher, tuple[int, int, int], RecvRequest]] = []
+        self.winner: Matcher | None = None
+
+    def add(self, matcher: Matcher, key: tuple[int, int, int], req: RecvRequest) -> None:
+        req.group = self
+        self.posts.append((matcher, key, req))
+
+    def claim(self, matcher: Matcher) -> None:
+        self.winner = matcher
+        self.unpost(keep=matcher)
+
+    def unpost(self, keep: Matcher | None = None) -> None:
+        """Remove every posting still waiting (but the one in `keep`); their futures are cancelled."""
+        for m, key, req in self.posts:
+            if m is not keep and m.posted.get(key) is req:
+                del m.posted[key]
+            if m is not keep and not req.fut.done():
+                req.fut.cancel()
 
 
 def mismatch_error(me: int, peer: int, want: Fingerprint, got: Fingerprint) -> CollectiveMismatchError:
@@ -191,6 +225,7 @@ class Matcher:
         self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
         self.poisoned: dict[int, BaseException] = {}  # communicators made unusable by a mismatch (cancel_comm)
         self.taken: RecvRequest | None = None  # the last receive take() handed out (frames of a peer come in order)
+        self.arrived: dict[tuple[int, int, int], int] = {}  # early point-to-point frames: global arrival order
 
     @property
     def on_notice(self) -> Callable[[int, Fingerprint, bytes, int], None] | None:
@@ -235,6 +270,7 @@ class Matcher:
             return fut
         got, data = early
         self.early_bytes -= len(data)
+        self.arrived.pop(key, None)
         self._space.set()
         if got != fp:
             fut.set_exception(mismatch_error(self.me, self.peer, fp, got))
@@ -275,6 +311,8 @@ class Matcher:
             self.cancel(fp.comm, fp.seq, req.fut.exception())
             return DROP
         self.taken = req  # being filled by the transport: no longer in posted, but fail_all must still reach it
+        if req.group is not None:  # a receive from any source: this peer's message wins it
+            req.group.claim(self)
         return req
 
     def _notice(self, fp: Fingerprint, tag: int, nbytes: int) -> RecvRequest | bool:
@@ -322,6 +360,8 @@ class Matcher:
     def stash(self, fp: Fingerprint, tag: int, data: Any) -> None:
         self.early[(fp.comm, fp.seq, tag)] = (fp, data)
         self.early_bytes += len(data)
+        if tag >> 48 == P2P_HIGH:
+            self.arrived[(fp.comm, fp.seq, tag)] = next(_arrivals)
         # a receive already posted for the same collective but with another fingerprint is a mismatch
         for (comm, seq, _t), req in list(self.posted.items()):
             if comm == fp.comm and seq == fp.seq and req.fp != fp:

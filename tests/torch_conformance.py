@@ -1,0 +1,243 @@
+"""PyTorch's own distributed test suite against the "hetccl" backend (CPU, world size 2).
+
+    python tests/torch_conformance.py [--all] [--json OUT] [-k SUBSTRING ...] [--list]
+    WORLD_SIZE=8 python tests/torch_conformance.py      # the tests that need 8 ranks (GROUP_TESTS_8)
+
+Runs `torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase` the way upstream's
+test/distributed/test_distributed_spawn.py does (BACKEND, WORLD_SIZE, TEMP_DIR; every test in 2 freshly spawned
+rank processes, initialised with a file store), with three changes, made here in the parent and, because
+spawned ranks re-import this file, in every rank too:
+
+- `hetccl.torch` is imported first, which registers the backend;
+- hetccl claims gloo's features: "hetccl" joins every `DistTestCases.backend_feature` set that holds "gloo", and
+  `backend_feature["plugin"]`;
+- gloo's CPU tests are given to hetccl where the harness gates them on the literal name "gloo": the harness
+  module is loaded from torch's own file with one line changed, `BACKEND = os.environ["BACKEND"]` becoming
+  a name equal to "hetccl" and to "gloo" (`GlooAlias`). Nothing else in the harness is changed.
+
+With WORLD_SIZE=2 (the default) the whole file runs but DESELECTED (each with its reason; no test is left out
+because hetccl fails it). The harness itself skips many tests, each with a reason (SKIP_REASONS lists the
+ones expected here: CUDA, MPI/NCCL-only tests, more ranks, upstream's own disabled tests). The tests on a
+subgroup of ranks [1, 2] skip below 8 ranks; WORLD_SIZE=8 runs just those (GROUP_TESTS_8). --all runs every
+test. Exit status 0 when no test failed or errored. tests/test_torch_conformance.py runs both in CI.
+
+Ranks are forked from this process (START below) instead of spawned: the same harness and test bodies, at
+about 1 s a test instead of 10-20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import unittest
+
+os.environ.setdefault("BACKEND", "hetccl")
+os.environ.pop("HETCCL_TIMEOUT", None)  # each test sets its process group's timeout; this would override it
+os.environ.setdefault("WORLD_SIZE", "2")
+if "TEMP_DIR" not in os.environ:  # the harness's barrier and init files; spawned ranks inherit it
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="hetccl-conformance-")
+# as upstream's file:// variant: tests that re-initialise the default group use this (one test reads it)
+os.environ.setdefault("INIT_METHOD", f"file://{os.environ['TEMP_DIR']}/init_method")
+
+import torch  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+import hetccl.torch  # noqa: E402,F401  (registers "hetccl" before the harness asks for it)
+
+HARNESS = "torch.testing._internal.distributed.distributed_test"
+
+
+class GlooAlias(str):
+    """The backend name "hetccl" (its text: what init_process_group and messages see), equal to "gloo" too, and
+    hashed as "gloo": the harness's gates on the literal name, `BACKEND == "gloo"`, `BACKEND != "gloo"` and
+    `BACKEND in {"gloo"}` (require_backend_is_available), let hetccl in. Sets the harness looks BACKEND up in
+    hold "gloo" wherever they hold "hetccl" (_claim_gloo_features), so the borrowed hash loses nothing; the one
+    set holding "hetccl" alone, backend_feature["plugin"], is looked up with dist.Backend(BACKEND), a plain
+    str."""
+
+    def __eq__(self, other: object) -> bool:
+        return str.__eq__(self, other) is True or other == "gloo"
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash("gloo")
+
+
+def _claim_gloo_features() -> None:
+    for names in DistTestCases.backend_feature.values():
+        if "gloo" in names:
+            names.add("hetccl")
+    DistTestCases.backend_feature["plugin"].add("hetccl")
+
+
+def _load_harness() -> object:
+    """distributed_test.py from torch's wheel, compiled from its own file (tracebacks point there), with
+    BACKEND bound to GlooAlias."""
+    if HARNESS in sys.modules:
+        return sys.modules[HARNESS]
+    spec = importlib.util.find_spec(HARNESS)
+    assert spec is not None and spec.origin is not None, HARNESS
+    with open(spec.origin) as f:
+        src = f.read()
+    line = 'BACKEND = os.environ["BACKEND"]'
+    if src.count(line) != 1:
+        raise RuntimeError(f"torch {torch.__version__}: {spec.origin} no longer has the line {line!r} exactly "
+                           "once; update tests/torch_conformance.py")
+    src = src.replace(line, 'BACKEND = __hetccl_backend__(os.environ["BACKEND"])')
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__["__hetccl_backend__"] = GlooAlias if os.environ["BACKEND"] == "hetccl" else str
+    sys.modules[HARNESS] = module
+    # dont_inherit: this file's `from __future__ import annotations` would turn the harness's annotations into
+    # strings (DDP checks a comm hook's `bucket: dist.GradBucket` annotation against the class)
+    exec(compile(src, spec.origin, "exec", dont_inherit=True), module.__dict__)  # noqa: S102 (torch's own file)
+    return module
+
+
+_claim_gloo_features()
+_harness = _load_harness()
+DistributedTest = _harness.DistributedTest  # type: ignore[attr-defined]
+TestDistBackend = _harness.TestDistBackend  # type: ignore[attr-defined]
+
+
+# How the two ranks of each test start: "spawn" as upstream (each rank imports torch and the harness afresh,
+# 10-20 s a test on 2 busy cores), or "fork" from this process, which has imported everything but started
+# nothing (no process group, no hetccl loop, no torch thread pool): about 1 s a test.
+START = os.environ.get("HETCCL_CONFORMANCE_START", "fork")
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):  # type: ignore[misc,valid-type]
+    """As upstream's test_distributed_spawn.py (the name is kept: the harness reads it in a few places)."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        if START == "spawn":
+            self._spawn_processes()
+        else:
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+
+# ---- the fixed selection -------------------------------------------------------------------------------------
+# test name -> why it does not run in CI (world size 2). Nothing here is left out because hetccl fails it.
+_MONITORED = ("torch implements dist.monitored_barrier for Gloo alone: it raises ValueError ('only implemented "
+              "for GLOO backend') for any other backend's process group, before hetccl is called")
+DESELECTED: dict[str, str] = {
+    "test_monitored_barrier_gloo": _MONITORED,
+    "test_monitored_barrier_gloo_subgroup": _MONITORED,
+    "test_monitored_barrier_gloo_rank_0_timeout": _MONITORED + " (it reads the Gloo backend object of the group)",
+}
+
+# the tests on the subgroup [1, 2] (skip_if_small_worldsize: 8 ranks unless MPI), run with WORLD_SIZE=8
+GROUP_TESTS_8 = [
+    "test_all_gather_coalesced_group", "test_all_gather_group", "test_all_reduce_coalesced_group_max",
+    "test_all_reduce_coalesced_group_min", "test_all_reduce_coalesced_group_product",
+    "test_all_reduce_coalesced_group_sum", "test_all_reduce_group_max", "test_all_reduce_group_min",
+    "test_all_reduce_group_product", "test_all_reduce_group_sum", "test_barrier_group", "test_barrier_timeout_group",
+    "test_broadcast_group", "test_gather_group", "test_reduce_group_max", "test_reduce_group_min",
+    "test_reduce_group_product", "test_reduce_group_sum", "test_scatter_group",
+]
+
+# why the harness skips the tests it skips here (regular expressions matching the start of its reason): anything
+# else is a finding, and tests/test_torch_conformance.py fails on it
+SKIP_REASONS = {
+    r"CUDA is not available|Need at least \d+ CUDA devices|Only (Nccl|NCCL|nccl)\b.*|NCCL .*Only|"
+    r"NCCL Send Recv Only|Test requires backend \S+ to be one of \{'nccl'\}|Only NCCL backend supports high "
+    r"priority stream|Coalescing manager currently tests with NCCL only.*": "needs CUDA / NCCL (no GPU in CI)",
+    r"Only MPI supports.*": "MPI-only tests (all_to_all on CPU is covered by hetccl's own tests)",
+    r"Skipped due to small world size\.|Test requires (an exact )?world size of \d+|Test requires world size of "
+    r"\d+": "needs more ranks (the 8-rank group tests run in GROUP_TESTS_8)",
+    r"https://github\.com/pytorch/pytorch/(issues|pull)/\d+|Test is failing, see .*|Skipped due to flakiness":
+        "disabled upstream for every backend (skipIf on an issue, flaky)",
+    r"no torchvision": "torchvision is not installed",
+}
+
+
+def all_tests() -> list[str]:
+    return sorted(n for n in unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn))
+
+
+class _Recorder(unittest.TextTestResult):
+    """Every test's outcome, reason and duration."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.records: dict[str, dict[str, object]] = {}
+        self._t0 = 0.0
+
+    def startTest(self, test: unittest.TestCase) -> None:  # noqa: N802
+        self._t0 = time.monotonic()
+        super().startTest(test)
+
+    def _rec(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
+        self.records[test.id().split(".")[-1]] = {"outcome": outcome, "detail": detail[-4000:],
+                                                   "seconds": round(time.monotonic() - self._t0, 2)}
+
+    def addSuccess(self, test: unittest.TestCase) -> None:  # noqa: N802
+        super().addSuccess(test)
+        self._rec(test, "passed")
+
+    def addFailure(self, test: unittest.TestCase, err: object) -> None:  # noqa: N802
+        super().addFailure(test, err)  # type: ignore[arg-type]
+        self._rec(test, "failed", self.failures[-1][1])
+
+    def addError(self, test: unittest.TestCase, err: object) -> None:  # noqa: N802
+        super().addError(test, err)  # type: ignore[arg-type]
+        self._rec(test, "error", self.errors[-1][1])
+
+    def addSkip(self, test: unittest.TestCase, reason: str) -> None:  # noqa: N802
+        super().addSkip(test, reason)
+        self._rec(test, "skipped", reason)
+
+    def addExpectedFailure(self, test: unittest.TestCase, err: object) -> None:  # noqa: N802
+        super().addExpectedFailure(test, err)  # type: ignore[arg-type]
+        self._rec(test, "xfail")
+
+    def addUnexpectedSuccess(self, test: unittest.TestCase) -> None:  # noqa: N802
+        super().addUnexpectedSuccess(test)
+        self._rec(test, "xpass")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--all", action="store_true", help="every test, DESELECTED included")
+    ap.add_argument("-k", action="append", default=[], help="only tests whose name contains this (repeatable)")
+    ap.add_argument("--json", help="write {test: {outcome, detail, seconds}} here")
+    ap.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    args = ap.parse_args(argv)
+    if args.all:
+        names = all_tests()
+    elif int(os.environ["WORLD_SIZE"]) == 8:
+        names = list(GROUP_TESTS_8)
+    else:
+        names = [n for n in all_tests() if n not in DESELECTED]
+    if args.k:
+        names = [n for n in names if any(k in n for k in args.k)]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    t0 = time.monotonic()
+    runner = unittest.TextTestRunner(verbosity=2, resultclass=_Recorder, stream=sys.stdout)
+    result: _Recorder = runner.run(suite)  # type: ignore[assignment]
+    counts: dict[str, int] = {}
+    for rec in result.records.values():
+        counts[str(rec["outcome"])] = counts.get(str(rec["outcome"]), 0) + 1
+    summary = {"torch": torch.__version__, "world_size": int(os.environ["WORLD_SIZE"]), "selected": len(names),
+               "deselected": len(all_tests()) - len(names), "counts": counts,
+               "wall_s": round(time.monotonic() - t0, 1)}
+    print("CONFORMANCE " + json.dumps(summary), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "tests": result.records}, f, indent=1)
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
