@@ -153,7 +153,7 @@ class Communicator:
         if _any_device(buf):
             from .gpu import dispatch
 
-            return await dispatch.all_reduce(self, buf, op)
+            return await dispatch.vendor_collective(self, "all_reduce", [buf], {"op": op})
         await self._all_reduce_flat(buf, op)
 
     async def _all_reduce_flat(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:

@@ -157,11 +157,6 @@ def _deadline(comm: Communicator) -> float:
     return asyncio.get_running_loop().time() + comm._settings.timeout
 
 
-async def all_reduce(comm: Communicator, obj: Any, op: Any) -> None:
-    """Device buffer on a single-island communicator: the vendor CCL, on the caller's stream."""
-    await vendor_collective(comm, "all_reduce", [obj], {"op": op})
-
-
 VendorCall = Callable[[VendorComm, int], int]
 
 
