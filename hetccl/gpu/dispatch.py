@@ -211,11 +211,12 @@ async def vendor_collective(comm: Communicator, name: str, args: list[Any], kwar
     await vc.run(lambda s: call(vc, s), stream_handle(buf), _deadline(comm), what)
 
 
-def enqueue_now(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]) -> bool:
+def enqueue_now(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The same, enqueued from the calling thread (the torch backend's caller, not hetccl's loop thread) when
-    it can be: a single GPU island whose vendor communicator for the buffer's device exists. Returns False
-    where the caller must go through the loop instead (first use of a device, several islands, blocking mode).
-    Raises the communicator's error (a lost peer, a watchdog timeout) like the loop path."""
+    it can be: a single GPU island whose vendor communicator for the buffer's device exists. Returns the event
+    recorded after the operation, or False where the caller must go through the loop instead (first use of a
+    device, several islands, blocking mode). Raises the communicator's error (a lost peer, a watchdog timeout)
+    like the loop path."""
     lay = comm._gpu_layout
     if lay is None or not lay.single or lay.vendor_pending or name not in VENDOR_OPS + ("all_reduce",) \
             or not all(is_device(a) for a in args) or vendor_of(lay.labels[comm.rank]) is None or blocking():
@@ -226,6 +227,36 @@ def enqueue_now(comm: Communicator, name: str, args: list[Any], kwargs: dict[str
         return False
     deadline = time.monotonic() + comm._settings.timeout  # the loop's clock: asyncio uses time.monotonic
     return vc.run_now(lambda s: call(vc, s), buf.stream, deadline, what)
+
+
+class IslandLane:
+    """The collectives of a single-GPU-island communicator on one device, enqueued from the calling thread with
+    everything that is fixed per device found once: the torch backend's hot path (ProcessGroupNCCL's, at a
+    small message's cost). It takes raw arguments (pointers, counts, hetccl dtypes and ops, stream handles):
+    the caller has checked its tensors. Each call returns the event recorded after the operation."""
+
+    __slots__ = ("comm", "vc", "device", "_timeout")
+
+    def __init__(self, comm: Communicator, vc: VendorComm):
+        self.comm, self.vc, self.device = comm, vc, vc.device
+        self._timeout = comm._settings.timeout
+
+    def all_reduce(self, ptr: int, count: int, dtype: Any, op: ReduceOp, stream: int) -> Any:
+        if self.comm._closed or self.comm._aborted is not None:
+            self.comm._check_open()  # raises the reason
+        vc = self.vc
+        return vc.run_now(lambda s: vc.lib.all_reduce(ptr, ptr, count, dtype, op, vc.comm, s), stream,
+                          time.monotonic() + self._timeout, "all_reduce")
+
+
+def lane(comm: Communicator, device: int) -> IslandLane | None:
+    """comm's fast lane on `device`: where enqueue_now would enqueue (one GPU island, not blocking, the vendor
+    communicator of the device made), else None."""
+    lay = comm._gpu_layout
+    if lay is None or not lay.single or vendor_of(lay.labels[comm.rank]) is None or blocking():
+        return None
+    vc = lay.vendor_comms.get(device)
+    return IslandLane(comm, vc) if vc is not None else None
 
 
 def _vendor_comms(comm: Communicator) -> list[VendorComm]:

@@ -140,10 +140,10 @@ class VendorComm:
             self.broken = exc
             raise
 
-    def run_now(self, enqueue: Callable[[int], Any], stream: int, deadline: float, what: str) -> bool:
-        """`run` from any thread, without the event loop: enqueue on `stream` (a raw handle) and return True, the
-        watchdog following the operation. With MAX_IN_FLIGHT operations unfinished, it first waits (bounded)
-        for half of them."""
+    def run_now(self, enqueue: Callable[[int], Any], stream: int, deadline: float, what: str) -> Any:
+        """`run` from any thread, without the event loop: enqueue on `stream` (a raw handle) and return the event
+        recorded after it (its completion), the watchdog following the operation. With MAX_IN_FLIGHT operations
+        unfinished, it first waits (bounded) for half of them."""
         if self.broken is not None:
             raise self.broken
         if self.lost:  # a member already known lost: never enqueue what cannot finish
@@ -166,8 +166,9 @@ class VendorComm:
             if state != 0:
                 self.abort()
                 raise TransportError(self.lib.describe(state, what, self.comm))
-        self._track(record_event(stream, self.device), deadline, what, stream)
-        return True
+        ev = record_event(stream, self.device)
+        self._track(ev, deadline, what, stream)
+        return ev
 
     # ---- watchdog ------------------------------------------------------------------------------------
     def _track(self, ev: Any, deadline: float, what: str, stream: int) -> None:

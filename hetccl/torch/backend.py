@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import hetccl
 from hetccl import lifecycle
+from hetccl.dtypes import parse_dtype
 
 BACKEND_NAME = "hetccl"
 
@@ -37,6 +38,9 @@ _OPS = {
 
 
 _OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
+# the island lane's ops (hetccl's ReduceOp), by c10d's op kind; PREMUL_SUM is not here (the general path scales)
+_LANE_OPS = {kind: hetccl.ReduceOp[{"prod": "PROD"}.get(name, name.upper())] for kind, name in _OPS_BY_TYPE.items()}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a stream handle without a Stream object
 
 
 class UnsupportedError(hetccl.HetcclError):
@@ -235,6 +239,55 @@ class _FutureWork(dist.Work):
     _source_rank = source_rank
 
 
+class _EnqueuedWork(dist.Work):
+    """A collective enqueued on the caller's stream inside one GPU island: done as far as the host is concerned.
+    As ProcessGroupNCCL's (without blocking wait), wait() makes the waiter's current stream wait for it and
+    blocks nothing, and raises the communicator's error if one is known. The Future is made only when asked
+    for (DDP's hooks ask; dist.all_reduce does not)."""
+
+    def __init__(self, result: Any, device: int, stream: int, event: Any, vc: Any):
+        super().__init__()
+        self._result, self._device, self._stream, self._event, self._vc = result, device, stream, event, vc
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self._vc.broken is not None:
+            raise self._vc.broken
+        current = _raw_stream(self._device)
+        if current != self._stream:
+            ev = self._event
+            if hasattr(ev, "ops"):  # a driver event (runtime.record_event)
+                ev.ops.wait_event(current, ev.handle)
+            else:
+                torch.cuda.ExternalStream(current, device=self._device).wait_event(ev)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            fut = torch.futures.Future(devices=[self._device])
+            # completion events are recorded on the current stream: make it the one the collective ran on
+            with torch.cuda.device(self._device), \
+                    torch.cuda.stream(torch.cuda.ExternalStream(self._stream, device=self._device)):
+                fut.set_result(self._result)
+            self._fut = fut
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+    def is_success(self) -> bool:
+        return self._vc.broken is None
+
+    def exception(self) -> BaseException | None:
+        return self._vc.broken
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
 class HetcclBackend(dist.ProcessGroup):
     """c10d process group whose collectives run on a hetccl communicator.
 
@@ -254,6 +307,7 @@ class HetcclBackend(dist.ProcessGroup):
         # any is, device collectives go through the loop too, so that every rank enqueues them in issue order
         self._submitted = 0
         self._finished = 0
+        self._lanes: dict[int, Any] = {}  # device index -> dispatch.IslandLane (single GPU island)
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -301,15 +355,20 @@ class HetcclBackend(dist.ProcessGroup):
         a completed Work whose wait() only orders the waiter's stream after it, as ProcessGroupNCCL does: no hop
         to hetccl's loop thread, no blocking. None where the operation must take the loop (first use of a
         device, several islands, loop operations still in flight)."""
-        if args[0].device.type != "cuda" or self._submitted != self._finished or not _CUDA_DIRECT:
+        if args[0].device.type != "cuda" or self._submitted != self._finished or not _CUDA_DIRECT \
+                or _raw_stream is None:
             return None
         from ..gpu.dispatch import enqueue_now
 
-        if not enqueue_now(self._acomm, name, args, kwargs):
+        event = enqueue_now(self._acomm, name, args, kwargs)
+        if not event:
             return None
-        fut = torch.futures.Future(devices=[args[0].device])
-        fut.set_result(result)  # records the completion on the caller's current stream
-        return _FutureWork(fut)
+        dev = args[0].get_device()
+        if dev not in self._lanes:
+            from ..gpu.dispatch import lane
+
+            self._lanes[dev] = lane(self._acomm, dev)
+        return _EnqueuedWork(result, dev, _raw_stream(dev), event, self._lanes[dev].vc)
 
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
                 after: Callable[[], None] | None = None) -> Any:
@@ -358,6 +417,10 @@ class HetcclBackend(dist.ProcessGroup):
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if len(tensors) == 1 and self._lanes and self._submitted == self._finished:
+            work = self._lane_all_reduce(tensors, opts)
+            if work is not None:
+                return work
         op, factor = _reduce_op(opts)
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
@@ -370,6 +433,22 @@ class HetcclBackend(dist.ProcessGroup):
             if work is not None:
                 return work
         return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
+
+    def _lane_all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any | None:
+        """The hot path of dist.all_reduce inside one GPU island: checks, one enqueue, no Future. None where
+        the general path must decide (another op, a non-contiguous or sparse tensor, another current device)."""
+        t = tensors[0]
+        if not t.is_cuda:
+            return None
+        dev = t.get_device()
+        lane = self._lanes.get(dev)
+        op = hetccl.ReduceOp.SUM if opts is None else _LANE_OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
+        if lane is None or op is None or not t.is_contiguous() or t.is_sparse or _raw_stream is None \
+                or torch.cuda.current_device() != dev:
+            return None
+        stream = _raw_stream(dev)
+        event = lane.all_reduce(t.data_ptr(), t.numel(), parse_dtype(t.dtype), op, stream)
+        return _EnqueuedWork(tensors, dev, stream, event, lane.vc)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
         """Sparse COO all_reduce, SUM only (as Gloo): every rank's coalesced indices and values are gathered and
