@@ -577,7 +577,9 @@ def _open(vendor: str, path: str) -> CclLibrary:
         return _cache[vendor, key]
     name = "RCCL" if vendor == "rccl" else "NCCL"
     try:
-        lib = ffi.dlopen(path)
+        # RTLD_DEEPBIND: the library's calls into itself bind to its own symbols, not to those of another build
+        # already loaded globally (torch preloads its NCCL with RTLD_GLOBAL); each island may run its own build
+        lib = ffi.dlopen(path, ffi.RTLD_NOW | ffi.RTLD_LOCAL | getattr(ffi, "RTLD_DEEPBIND", os.RTLD_DEEPBIND))
     except OSError as exc:
         raise Unusable(f"cannot be loaded: {short_oserror(exc)}") from None
     missing = []
