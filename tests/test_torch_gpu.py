@@ -8,6 +8,9 @@ present in torch 2.11 and 2.13."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +169,107 @@ def test_peer_failure_surfaces(islands, how):
 def test_cpu_label_with_cuda_tensors_is_refused():
     proc = run_torchrun(2, "label_mismatch", env={**CUDA_ENV, "TEST_ISLANDS": "cpu-a,cpu-b"}, timeout=200)
     assert proc.stdout.count("ConfigError") == 2, proc.stdout
+
+
+# --- a real client: PyTorch Lightning's Trainer with DDPStrategy(process_group_backend=...) ------------------
+def _lightning_losses(tmp_path, backend: str, env: dict[str, str]) -> list[list[float]]:
+    out = tmp_path / f"lightning-{backend}-{len(env)}"
+    script = Path(__file__).resolve().parent / "lightning_train.py"
+    root = script.parent.parent
+    full = dict(os.environ, **env, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    full.setdefault("HETCCL_TIMEOUT", "60")
+    proc = subprocess.run([sys.executable, str(script), backend, str(out)], env=full, cwd=root, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, f"Lightning on {backend} exited {proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-6000:]}"
+    res = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    assert all(x["backend"] == backend for x in res), res
+    return [x["losses"] for x in res]
+
+
+@needs_2
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("islands", ["one", "two"])
+def test_lightning_trainer_matches_nccl(tmp_path, islands):
+    """Trainer(accelerator="gpu", devices=2, strategy=DDPStrategy(process_group_backend="hetccl")): Lightning
+    launches the ranks and passes device_id (it failed at init); the losses are NCCL's."""
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (the GPU machine has it)")
+    want = _lightning_losses(tmp_path, "nccl", CUDA_ENV)
+    got = _lightning_losses(tmp_path, "hetccl", TWO_ISLANDS if islands == "two" else CUDA_ENV)
+    for r in range(2):
+        assert len(got[r]) == len(want[r]) > 0, (len(got[r]), len(want[r]))
+        close(got[r], want[r], 1e-5, f"rank {r} Lightning losses ({islands} island(s))")
+
+
+# --- a different NCCL build in each island --------------------------------------------------------------------
+# Two builds of one CCL that never talk to each other directly: the closest stand-in here for NCCL beside RCCL.
+# tests/build_nccl.sh builds a second NCCL from source (sm_90, the collectives these tests use) on the GPU machine.
+NCCL_B = os.environ.get("HETCCL_TEST_NCCL_LIB_B", "")
+
+
+@needs_2
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", ["link", "shm"])
+def test_each_island_its_own_nccl_build(path):
+    """4 ranks on 2 GPUs, every GPU visible: island nvidia-a (ranks 0, 1 on GPUs 0, 1) loads hetccl's default
+    NCCL, island nvidia-b (ranks 2, 3) loads the build named by HETCCL_TEST_NCCL_LIB_B (HETCCL_NCCL_LIB). Every
+    op is checked, and each rank reports the library its island ran."""
+    if not NCCL_B:
+        pytest.skip("set HETCCL_TEST_NCCL_LIB_B to a second NCCL build (bash tests/build_nccl.sh SRC OUT builds one "
+                    "with nvcc)")
+    env = {**CUDA_ENV, **PATHS[path], "TEST_ISLANDS": "nvidia-a,nvidia-a,nvidia-b,nvidia-b",
+           "TEST_NCCL_LIBS": f",,{NCCL_B},{NCCL_B}"}
+    proc = run_torchrun(4, "nccl_builds", env=env, timeout=500)
+    libs = {}
+    for line in proc.stdout.splitlines():
+        if " nccl " in line and line.startswith("rank "):
+            parts = line.split()
+            libs[int(parts[1])] = (parts[3], parts[5], parts[6])
+    assert sorted(libs) == [0, 1, 2, 3], proc.stdout[-3000:]
+    assert libs[0][1:] == libs[1][1:] and libs[2][1:] == libs[3][1:], libs
+    assert libs[2][2] == str(Path(NCCL_B).resolve()) or libs[2][2] == NCCL_B, libs
+    assert libs[0][1:] != libs[2][1:], f"both islands ran the same NCCL: {libs}"
+    print(f"islands' NCCL builds: {libs}")
+
+
+# --- PyTorch's own distributed test suite, its CUDA half --------------------------------------------------------
+SHARDS = 8  # drivers at once: each test spawns its 2 ranks afresh (the harness initialises CUDA at import)
+
+
+@needs_2
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("islands", ["one", "two"])
+def test_torch_distributed_suite_on_cuda(tmp_path, islands):
+    """tests/torch_conformance.py --cuda: the tests that skip without CUDA, on 2 GPUs, one island and two islands
+    with both GPUs visible to both ranks. Nothing may fail or error, skips need a known reason; counts printed."""
+    pytest.importorskip("expecttest")
+    import re
+
+    from torch_conformance import SKIP_REASONS
+
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k not in ("BACKEND", "TEMP_DIR", "INIT_METHOD", "HETCCL_TIMEOUT")}
+    env.update(GPU_ENV, WORLD_SIZE="2", PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(here.parent), env.get("PYTHONPATH")])))
+    if islands == "two":
+        env["HETCCL_CONFORMANCE_ISLANDS"] = "nvidia-0,nvidia-1"
+    procs = [subprocess.Popen([sys.executable, str(here / "torch_conformance.py"), "--cuda", "--shard",
+                               f"{k}/{SHARDS}", "--json", str(tmp_path / f"{k}.json")], env=env, cwd=here.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in range(1, SHARDS + 1)]
+    logs = [p.communicate(timeout=840)[0] for p in procs]
+    tests: dict[str, dict] = {}
+    for k in range(1, SHARDS + 1):
+        out = tmp_path / f"{k}.json"
+        assert out.exists(), f"shard {k} wrote no results:\n{logs[k - 1][-3000:]}"
+        tests.update(json.loads(out.read_text())["tests"])
+    counts: dict[str, int] = {}
+    for r in tests.values():
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    print(f"torch's CUDA tests, {islands} island(s): {len(tests)} run: {counts}")
+    bad = {n: r for n, r in tests.items() if r["outcome"] not in ("passed", "skipped")}
+    assert not bad, "\n".join(f"{n}: {r['outcome']}\n{r['detail'][-1500:]}" for n, r in sorted(bad.items()))
+    unexpected = {n: r["detail"] for n, r in tests.items() if r["outcome"] == "skipped"
+                  and not any(re.match(p, r["detail"].strip()) for p in SKIP_REASONS)}
+    assert not unexpected, f"skipped for a reason not in SKIP_REASONS: {unexpected}"
+    assert counts.get("passed", 0) > 0, counts

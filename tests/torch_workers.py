@@ -22,6 +22,10 @@ DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bflo
 DEVICE = os.environ.get("TORCH_TEST_DEVICE", "cpu")
 if os.environ.get("TEST_ISLANDS"):  # per-rank island labels ("nvidia-0,nvidia-1"), indexed by the global rank
     os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["RANK"])]
+if os.environ.get("TEST_NCCL_LIBS"):  # per-rank NCCL libraries (HETCCL_NCCL_LIB; empty: hetccl's default search)
+    _lib = os.environ["TEST_NCCL_LIBS"].split(",")[int(os.environ["RANK"])]
+    if _lib:
+        os.environ["HETCCL_NCCL_LIB"] = _lib
 
 
 def _device() -> torch.device:
@@ -51,7 +55,13 @@ def premul_readable() -> bool:
 
 def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-        raise AssertionError(f"rank {dist.get_rank()}: {what}: got {got!r}, want {want!r}")
+        if got.shape == want.shape and got.device == want.device and got.is_floating_point():
+            diff = (got.double() - want.double()).abs()
+            where = f"; {int((diff > 0).sum())} of {diff.numel()} elements differ, at most by {diff.max().item():.3g}"
+        else:
+            where = ""
+        torch.set_printoptions(threshold=20, edgeitems=3)  # the message must fit the launcher's tail
+        raise AssertionError(f"rank {dist.get_rank()}: {what}: got {got!r}, want {want!r}{where}")
 
 
 def _val(r: int, shape: tuple[int, ...], dtype: torch.dtype, base: int = 0) -> torch.Tensor:
@@ -254,7 +264,27 @@ def case_async() -> None:
     w = dist.barrier(async_op=True)
     w.wait()
     assert w.is_completed()
+    if torch.cuda.is_available() and ts[0].is_cuda:
+        _wait_orders_streams(r, n)
     dist.destroy_process_group()
+
+
+def _wait_orders_streams(r: int, n: int) -> None:
+    """An all_reduce issued on a side stream behind ~50 ms of GPU work, waited for on the default stream: the
+    default stream's next read must see the sum. wait() has to order the streams (ProcessGroupNCCL's wait());
+    a Work that merely says "done" lets the read run first and see this rank's own value."""
+    side = torch.cuda.Stream()
+    for rnd in range(3):
+        t = torch.full((4 << 20,), float(r + 1 + rnd))  # made on the default stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the collective runs late on the side stream
+            w = dist.all_reduce(t, async_op=True)
+        t.record_stream(side)
+        w.wait()  # on the default stream
+        got = t[-1].clone()  # queued on the default stream
+        want = torch.tensor(float(sum(q + 1 + rnd for q in range(n))), device="cpu")
+        _eq(got.cpu(), want, f"wait() ordering, round {rnd}")
 
 
 def case_subgroup() -> None:
@@ -580,6 +610,17 @@ def case_peer_fails(how: str) -> None:
         raise AssertionError("1000 all_reduces with a failed peer all succeeded")
     sys.stdout.flush()
     os._exit(0)
+
+
+def case_nccl_builds() -> None:
+    """Every op on islands that each load their own NCCL build (TEST_NCCL_LIBS); each rank then prints the
+    library its island used, for the test to check that the builds differ."""
+    case_ops("float32")
+    from hetccl.vendor.ccl import load_nccl
+
+    lib = load_nccl()
+    print(f"rank {os.environ['RANK']} island {os.environ.get('HETCCL_ISLAND')} nccl "
+          f"{'.'.join(map(str, lib.version))} {lib.path}", flush=True)
 
 
 def case_label_mismatch() -> None:
