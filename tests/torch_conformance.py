@@ -20,6 +20,8 @@ because hetccl fails it). The harness itself skips many tests, each with a reaso
 ones expected here: CUDA, MPI/NCCL-only tests, more ranks, upstream's own disabled tests). The tests on a
 subgroup of ranks [1, 2] skip below 8 ranks; WORLD_SIZE=8 runs just those (GROUP_TESTS_8). --all runs every
 test. Exit status 0 when no test failed or errored. tests/test_torch_conformance.py runs both in CI.
+HETCCL_CONFORMANCE_ISLANDS="nvidia-0,nvidia-1" puts each rank in its own island (on the GPU machine, where the
+CUDA tests run: two islands, every GPU visible to both ranks; tests/test_torch_gpu.py).
 
 Ranks are forked from this process (START below) instead of spawned: the same harness and test bodies, at
 about 1 s a test instead of 10-20 s on 2 cores.
@@ -109,7 +111,9 @@ TestDistBackend = _harness.TestDistBackend  # type: ignore[attr-defined]
 # How the two ranks of each test start: "spawn" as upstream (each rank imports torch and the harness afresh,
 # 10-20 s a test on 2 busy cores), or "fork" from this process, which has imported everything but started
 # nothing (no process group, no hetccl loop, no torch thread pool): about 1 s a test.
-START = os.environ.get("HETCCL_CONFORMANCE_START", "fork")
+START = os.environ.get("HETCCL_CONFORMANCE_START", "spawn" if "--cuda" in sys.argv else "fork")
+# per-rank island labels ("nvidia-0,nvidia-1": each rank its own island), set in each rank before it joins
+ISLANDS = os.environ.get("HETCCL_CONFORMANCE_ISLANDS", "")
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):  # type: ignore[misc,valid-type]
@@ -122,6 +126,12 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase): 
         else:
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
         torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+    @classmethod
+    def _run(cls, rank: int, *args: object, **kwargs: object) -> None:  # in the rank's process
+        if ISLANDS:
+            os.environ["HETCCL_ISLAND"] = ISLANDS.split(",")[rank]
+        super()._run(rank, *args, **kwargs)  # type: ignore[misc]
 
 
 # ---- the fixed selection -------------------------------------------------------------------------------------
@@ -143,6 +153,61 @@ GROUP_TESTS_8 = [
     "test_broadcast_group", "test_gather_group", "test_reduce_group_max", "test_reduce_group_min",
     "test_reduce_group_product", "test_reduce_group_sum", "test_scatter_group",
 ]
+
+# The CUDA half: the tests that skip on a machine without CUDA ("CUDA is not available", "Need at least N CUDA
+# devices"; from a CPU run at torch 2.13). `--cuda` runs them on the GPU machine, each in spawned ranks: the
+# harness initialises CUDA at import (its skip decorators read the device's capability), and a process whose CUDA
+# is initialised cannot fork ranks that use it. `--shard K/N` lets N drivers share them.
+CUDA_TESTS = (
+    "test_1_level_hierarchical_model_averager_equivalent_to_periodic_model_averager",
+    "test_DistributedDataParallel_SyncBatchNorm", "test_DistributedDataParallel_SyncBatchNorm_2D_Input",
+    "test_DistributedDataParallel_SyncBatchNorm_Channels_Last",
+    "test_DistributedDataParallel_SyncBatchNorm_Diff_Input_Sizes_Running_Value",
+    "test_DistributedDataParallel_SyncBatchNorm_Diff_Input_Sizes_gradient",
+    "test_DistributedDataParallel_SyncBatchNorm_No_Affine",
+    "test_DistributedDataParallel_SyncBatchNorm_Single_Input_Per_Process",
+    "test_DistributedDataParallel_SyncBatchNorm_half", "test_DistributedDataParallel_with_amp_and_grad_is_view",
+    "test_DistributedSampler_padding", "test_all_reduce_sum_cuda", "test_all_reduce_sum_cuda_async",
+    "test_all_reduce_sum_cuda_complex", "test_average_parameters", "test_barrier_cuda", "test_broadcast_cuda",
+    "test_compute_bucket_assignment_by_size_sparse_error_without_logger", "test_ddp_apply_optim_in_backward",
+    "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false", "test_ddp_apply_optim_in_backward_ignored_params",
+    "test_ddp_broadcast_buffer", "test_ddp_broadcast_buffer_via_hook",
+    "test_ddp_broadcast_buffers_deprecation_warning", "test_ddp_bucket_cap_mb_list", "test_ddp_buffer_hook_allreduce",
+    "test_ddp_buffer_hook_allreduce_return_future", "test_ddp_build_debug_param_to_name_mapping",
+    "test_ddp_build_debug_param_to_name_mapping_requires_grad", "test_ddp_comm_hook_logging",
+    "test_ddp_compile_static_graph", "test_ddp_control_flow_different_across_ranks",
+    "test_ddp_control_flow_same_across_ranks", "test_ddp_device", "test_ddp_device_mesh_initialization",
+    "test_ddp_forward_backward_hook", "test_ddp_grad_div_uneven_inputs", "test_ddp_hook_parity_allreduce",
+    "test_ddp_hook_parity_allreduce_process_group", "test_ddp_hook_parity_post_localSGD",
+    "test_ddp_hook_parity_powerSGD", "test_ddp_ignore_params_arg", "test_ddp_inference",
+    "test_ddp_init_sync_buffers_with_forward_sync_buffers_false", "test_ddp_join_model_equivalence",
+    "test_ddp_join_respects_forward_sync_buffers_false", "test_ddp_logging_data_gpu",
+    "test_ddp_model_diff_num_params_across_ranks", "test_ddp_multiple_nested_unused_params_err_ignore_params",
+    "test_ddp_multiple_nested_unused_params_error", "test_ddp_namedtuple",
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none",
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none",
+    "test_ddp_native_mixed_precision_ignored_params",
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none",
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none", "test_ddp_new_tensor_in_fwd",
+    "test_ddp_new_tensor_in_fwd_static_graph", "test_ddp_profiling_torch_profiler", "test_ddp_python_error_logged",
+    "test_ddp_remove_autograd_hooks", "test_ddp_returns_tensor_with_no_grad",
+    "test_ddp_shared_grad_acc_unused_params", "test_ddp_sink_noclone", "test_ddp_static_graph_nested_types",
+    "test_ddp_sync_module_states", "test_ddp_uneven_input_exception", "test_ddp_uneven_input_join_disable",
+    "test_ddp_uneven_inputs", "test_ddp_uneven_inputs_stop_iteration_sync_bn",
+    "test_ddp_unused_params_rebuild_buckets_exception", "test_ddp_zero_output_features",
+    "test_detect_ddp_is_actually_static", "test_different_graph_across_ranks", "test_get_data_parallel_params",
+    "test_invalid_static_graph", "test_monitored_barrier_allreduce_hang",
+    "test_monitored_barrier_allreduce_hang_wait_all_ranks", "test_new_subgroups_by_enumeration_negative_input_rank",
+    "test_new_subgroups_group_size_exceeds_world_size", "test_output_unused_in_loss_dict_module",
+    "test_output_unused_in_loss_tuple_module", "test_periodic_model_averager",
+    "test_periodic_model_averager_param_group", "test_post_localSGD_optimizer_parity",
+    "test_post_localSGD_optimizer_parity_grad_is_view", "test_post_localSGD_optimizer_parity_with_hierarchical_sgd",
+    "test_post_localSGD_optimizer_parity_with_hierarchical_sgd_grad_is_view",
+    "test_post_localSGD_optimizer_step_reload", "test_skip_all_reduce_unused_parameters",
+    "test_sparse_all_reduce_sum_cuda", "test_stateless_api_with_ddp", "test_static_graph_multi_forward",
+    "test_sync_bn_logged", "test_undefined_grad_parity_unused_parameters",
+    "test_verify_model_across_rank_with_logger", "test_verify_model_across_rank_without_logger",
+)
 
 # why the harness skips the tests it skips here (regular expressions matching the start of its reason): anything
 # else is a finding, and tests/test_torch_conformance.py fails on it
@@ -210,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", action="append", default=[], help="only tests whose name contains this (repeatable)")
     ap.add_argument("--json", help="write {test: {outcome, detail, seconds}} here")
     ap.add_argument("--list", action="store_true", help="print the selected tests and exit")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA half (CUDA_TESTS), in spawned ranks")
+    ap.add_argument("--shard", default="1/1", help="K/N: every N-th selected test, starting at the K-th")
     args = ap.parse_args(argv)
-    if args.all:
+    if args.cuda:
+        names = [n for n in CUDA_TESTS if n in set(all_tests())]
+    elif args.all:
         names = all_tests()
     elif int(os.environ["WORLD_SIZE"]) == 8:
         names = list(GROUP_TESTS_8)
@@ -219,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in all_tests() if n not in DESELECTED]
     if args.k:
         names = [n for n in names if any(k in n for k in args.k)]
+    k, n_shards = (int(x) for x in args.shard.split("/"))
+    names = names[k - 1::n_shards]
     if args.list:
         print("\n".join(names))
         return 0
