@@ -57,7 +57,8 @@ def worker(a: argparse.Namespace) -> None:
         dist.init_process_group(a.backend)
         for size in a.sizes:
             out["sweep"].append(sweep_point(torch, dist, dev, size, world, a.reps))
-    out["ddp_ms"] = ddp_steps(torch, dist if a.backend != "none" else None, dev, a.steps)
+    if a.steps > 0:
+        out["ddp_ms"] = ddp_steps(torch, dist if a.backend != "none" else None, dev, a.steps)
     if rank == 0:
         Path(a.json).write_text(json.dumps(out))
     if a.backend != "none":
@@ -174,6 +175,9 @@ def table(results: dict[str, dict], sizes: list[int]) -> str:
             continue
         cells = [f"{r['us']:.1f} us" if r["bytes"] <= 64 << 10 else f"{r['busbw']:.1f} GB/s" for r in res["sweep"]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    results = {k: v for k, v in results.items() if v["ddp_ms"]}  # --steps 0: all_reduce alone
+    if not results:
+        return "\n".join(lines)
     single = statistics.median(results["single GPU"]["ddp_ms"]) if "single GPU" in results else None
     nccl = statistics.median(results["nccl"]["ddp_ms"]) if "nccl" in results else None
     lines += ["", "| DDP step, 100M transformer, bf16 autocast | median ms | scaling efficiency | step vs NCCL |",
