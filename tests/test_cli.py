@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -64,3 +65,25 @@ def test_run_reports_failing_rank() -> None:
 def test_run_needs_a_command() -> None:
     proc = _hetccl("run", "-n", "2")
     assert proc.returncode == 2 and "give the command" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_info_wraps_reasons_instead_of_cutting_them() -> None:
+    """`hetccl info` used to cut each vendor library's reason at 200 characters, mid-word."""
+    proc = _hetccl("info", env={"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for line in lines:  # wrapped at the terminal's width; only a single word longer than a line may exceed it
+        assert len(line) <= 80 or " " not in line.strip(), line
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("  nccl "))
+    entry = [lines[start]] + list(itertools.takewhile(lambda ln: ln.startswith(" " * 11), lines[start + 1:]))
+    text = " ".join(ln.strip() for ln in entry)
+    if "no usable NCCL" in text:  # the reason ends with what to do, and nothing of it is lost
+        assert text.endswith("HETCCL_NCCL_LIB=/path/to/libnccl.so.2"), text
+
+
+@pytest.mark.timeout(60)
+def test_info_says_why_an_island_label_is_refused() -> None:
+    proc = _hetccl("info", env={"HETCCL_ISLAND": "banana"})
+    assert proc.returncode == 0, proc.stderr
+    assert "island        : refused: HETCCL_ISLAND='banana': an island label starts with its vendor" in proc.stdout
