@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,56 @@ def test_run_reports_failing_rank() -> None:
 def test_run_needs_a_command() -> None:
     proc = _hetccl("run", "-n", "2")
     assert proc.returncode == 2 and "give the command" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,says,rc", [
+    (["-n", "0", "--", sys.executable, "-c", "pass"], "hetccl run: -n 0: give the number of ranks to start", 2),
+    (["-n", "-3", "--", sys.executable, "-c", "pass"], "hetccl run: -n -3: give the number of ranks to start", 2),
+    (["-n", "2"], "hetccl run: give the command to launch", 2),
+    (["-n", "2", "--timeout", "0", "--", sys.executable, "-c", "pass"], "hetccl run: timeout=0.0: pass a number", 2),
+    (["-n", "2", "--", "/no/such/program"], "hetccl run: cannot start '/no/such/program': No such file", 127),
+])
+def test_run_bad_input_is_one_line(args: list[str], says: str, rc: int) -> None:
+    """`hetccl run -n 0` used to end in a ConfigError traceback, a missing program in a FileNotFoundError one."""
+    proc = _hetccl("run", *args)
+    assert proc.returncode == rc
+    assert proc.stderr.startswith(says) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+FAILING_JOB = """
+import numpy as np, hetccl
+async def main():
+    comm = await hetccl.init()
+    buf = np.ones(1000, np.float32)
+    print(f"rank {comm.rank} ready", flush=True)
+    for _ in range(3):
+        await comm.all_reduce(buf)
+    if comm.rank == 1:
+        raise ValueError("rank 1 gives up")
+    await comm.all_reduce(buf)
+    await comm.close()
+hetccl.run(main())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_run_shows_a_failure_once() -> None:
+    """Rank 1 of 3 raises: its traceback once, then one summary line. It used to be every rank's traceback (the
+    others' PeerLostError), interleaved, then rank 1's last lines again: ~60 lines."""
+    proc = _hetccl("run", "-n", "3", "--", sys.executable, "-c", FAILING_JOB, timeout=80)
+    assert proc.returncode == 1, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [f"[{r}] rank {r} ready" for r in range(3)]
+    err = proc.stderr.splitlines()
+    assert err.count("[1] Traceback (most recent call last):") == 1 and "Traceback" not in "".join(
+        ln for ln in err if not ln.startswith("[1] "))
+    tb = err.index("[1] Traceback (most recent call last):")
+    assert err[tb:] == [ln for ln in err[tb:] if ln.startswith("[1] ")][:len(err) - tb - 1] + [err[-1]]
+    assert err[-2] == "[1] ValueError: rank 1 gives up"
+    # the others are stopped, or have failed themselves meanwhile (a lost peer): either is said in that one line
+    assert re.fullmatch(r"hetccl run: rank 1 failed with exit code 1(; (ranks 0, 2|rank [02]) failed too \(output "
+                        r"not shown\))?(; (ranks 0, 2 were|rank [02] was) stopped)?", err[-1]), err[-1]
+    assert "PeerLostError" not in proc.stderr and "lost rank" not in proc.stderr
 
 
 @pytest.mark.timeout(60)

@@ -30,7 +30,8 @@ def test_topo_tables_under_a_launcher() -> None:
     proc = _hetccl("run", "-n", "3", "--", sys.executable, "-c", TOPO_RANK, "topo",
                    env={"TEST_ISLANDS": "cpu-a,cpu-b,cpu-b", "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    assert all(ln.startswith("[0] ") for ln in proc.stdout.splitlines())  # rank 0 prints, `hetccl run` tags
+    out = "\n".join(ln[4:] for ln in proc.stdout.splitlines())
     assert out.count("hetccl job: 3 rank(s), 1 host(s), 2 island(s)") == 1  # rank 0 only
     lines = out.splitlines()
     isl = {ln.split()[0]: ln.split()[1] for ln in lines if ln.strip().startswith("cpu-")}
@@ -45,7 +46,8 @@ def test_topo_tables_under_a_launcher() -> None:
 
 @pytest.mark.timeout(90)
 def test_topo_json_over_tcp_and_info_flag() -> None:
-    proc = _hetccl("run", "-n", "2", "--", sys.executable, "-c", TOPO_RANK, "info", "--topo", "--json",
+    proc = _hetccl("run", "-n", "2", "--no-tag-output", "--", sys.executable, "-c", TOPO_RANK, "info", "--topo",
+                   "--json",
                    env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_ALGO": "all_reduce=ring"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     topo = json.loads(proc.stdout)
