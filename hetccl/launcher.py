@@ -45,6 +45,7 @@ HOLD_MAX_S = 10.0  # ...or this long after it began
 DELAY_S = 0.25  # every line waits this long before it is written: time to see whether a traceback follows
 _MAX_LINE = 1 << 16  # longer lines are forwarded in pieces of this size
 _TRACEBACK = b"Traceback (most recent call last):"
+_CONSEQUENCE = b"hetccl.errors.PeerLostError: "
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _sleep = time.sleep  # one indirection, so that tests can interrupt the poll loop
@@ -199,7 +200,19 @@ class _Output:
                              ) or (code is None and not trigger and not others):
                 self.show(rank)
                 if trigger:
-                    self.traceback_at.pop(rank, None)  # it was not fatal: no sign of which rank failed first
+                    with self._lock:  # it was not fatal: no sign of which rank failed first
+                        self.traceback_at.pop(rank, None)
+
+    def tracebacks(self) -> dict[int, float]:
+        """rank -> when its (possibly fatal) traceback began."""
+        with self._lock:
+            return dict(self.traceback_at)
+
+    def lost_a_peer(self, rank: int) -> bool:
+        """Whether the rank's held traceback is hetccl's news that another rank died (a consequence, not a cause:
+        the dead rank's exit may be seen after its peers' tracebacks began)."""
+        with self._lock:
+            return any(_CONSEQUENCE in line for line in self.held.get(rank, ()))
 
 
 class _Pump(threading.Thread):
@@ -441,11 +454,12 @@ def _on_failure(procs: list[subprocess.Popen], pumps: list[_Pump], output: _Outp
     def first_failed() -> int:
         failed = {r: t for r, t in exited_at.items() if procs[r].returncode != 0}
         cutoff = min(failed.values())
+        tracebacks = output.tracebacks()
         # a rank whose traceback began before the first failed exit is dying too, and was first: the others
         # most likely failed because of it (a lost peer)
-        events = {r: min(output.traceback_at.get(r, t), t) for r, t in failed.items()}
-        events.update({r: t for r, t in output.traceback_at.items() if r not in exited_at and t <= cutoff})
-        return min(events, key=lambda r: (events[r], r))
+        events = {r: min(tracebacks.get(r, t), t) for r, t in failed.items()}
+        events.update({r: t for r, t in tracebacks.items() if r not in exited_at and t <= cutoff})
+        return min(events, key=lambda r: (output.lost_a_peer(r), events[r], r))
 
     origin = first_failed()
     output.mute([r for r in range(len(procs)) if r != origin])

@@ -152,3 +152,27 @@ def test_run_of_a_quiet_job_adds_nothing() -> None:
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["[0] hello from 0", "[1] hello from 1"]
     assert proc.stderr == ""
+
+
+KILLED_JOB = """
+import os, signal, numpy as np, hetccl
+async def main():
+    comm = await hetccl.init()
+    buf = np.ones(1000, np.float32)
+    for i in range(200):
+        await comm.all_reduce(buf)
+        if comm.rank == 1 and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+    await comm.close()
+hetccl.run(main())
+"""
+
+
+@pytest.mark.timeout(90)
+def test_run_blames_the_killed_rank_not_the_peers_that_lost_it() -> None:
+    """Rank 1 is killed: its peers raise PeerLostError at once, maybe before the launcher sees rank 1's end.
+    The report names rank 1 and shows none of the consequences."""
+    proc = _hetccl("run", "-n", "3", "--", sys.executable, "-c", KILLED_JOB, timeout=80)
+    assert proc.returncode == 137, proc.stderr
+    assert proc.stderr.startswith("hetccl run: rank 1 failed with exit code 137 (killed by SIGKILL)"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
