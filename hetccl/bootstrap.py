@@ -128,6 +128,7 @@ class Fabric:
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
         observe.setup(identity)
+        island_label()  # a bad HETCCL_ISLAND is a ConfigError before anything is sent
         fab = cls(identity, settings)
         try:
             await fab._bootstrap()

@@ -676,6 +676,16 @@ def test_gpu_island_label_without_that_gpu_is_refused(monkeypatch, label):
     assert bootstrap.island_label() == "cpu-b"
 
 
+@pytest.mark.timeout(30)
+def test_init_refuses_a_bad_island_label_before_the_rendezvous(monkeypatch):
+    """`HETCCL_ISLAND=banana` fails init at once, on the rank that has it, with nothing listening or sent."""
+    import hetccl
+
+    monkeypatch.setenv("HETCCL_ISLAND", "banana")
+    with pytest.raises(ConfigError, match="HETCCL_ISLAND='banana'"):
+        hetccl.run(hetccl.init(rank=1, world_size=2, addr="127.0.0.1:9", timeout=20))
+
+
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"), reason="this host has an "
                     "NVIDIA GPU")
 def test_nvidia_island_refused_on_this_gpu_less_host(monkeypatch):
