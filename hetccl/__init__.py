@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from typing import Any
 
@@ -43,20 +44,19 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     if rank is None and world_size is None:
         ident = identity_from_env()
         if addr is not None:
-            ident.addr = parse_addr(addr)
+            ident.addr = parse_addr(addr, name="addr" if ident.world_size > 1 else None)
     else:
         if rank is None or world_size is None:
             raise ConfigError("pass both rank= and world_size= (or neither, to read the environment)")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank={rank} is outside 0..{world_size - 1}")
         if addr is None and world_size > 1:
-            import os
-
             if "HETCCL_ADDR" not in os.environ:
                 raise ConfigError("pass addr='host:port' (rank 0 serves the rendezvous there) or set HETCCL_ADDR")
             addr = os.environ["HETCCL_ADDR"]
+        name = ("addr" if "HETCCL_ADDR" not in os.environ or addr != os.environ["HETCCL_ADDR"] else "HETCCL_ADDR")
         ident = Identity(rank, world_size, rank if local_rank is None else local_rank,
-                         parse_addr(addr) if addr else None, "arguments")
+                         parse_addr(addr, name=name if world_size > 1 else None) if addr else None, "arguments")
     settings = Settings.from_env(timeout=timeout)
     from .bootstrap import Fabric
 

@@ -10,7 +10,10 @@ Tooling around the numbers:
   --plot FILE.png        busbw against size, one panel per op (with --anchor NAME=FILE.json curves too;
                          with --results FILE.json it plots saved results without running anything)
   --compare A.json B.json  per-size ratios of two result files (B/A busbw: >1 means B is faster); no job
-A progress bar runs on rank 0's terminal during long sweeps (off when stderr is not a TTY, or --no-progress).
+A progress line runs on the terminal during long sweeps when `hetccl bench` launches its own ranks and stderr
+is a terminal (--no-progress turns it off). One writer owns the terminal: the ranks' output and rank 0's
+progress reports come to `hetccl bench` through the launcher's pipes, and the progress line (on stderr, drawn
+with \r) is erased before each line of output and drawn again after it, so the two never collide.
 """
 
 from __future__ import annotations
@@ -25,16 +28,29 @@ from typing import Any
 
 import numpy as np
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
-DEFAULT_OPS = "all_reduce,all_gather,reduce_scatter,broadcast,all_to_all"
+# every collective of the API, in nccl-tests' order
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
+DEFAULT_OPS = ",".join(OPS)
+ONE_VARIANT = ("broadcast", "reduce", "all_to_all", "gather", "scatter")  # no separate in-place variant here
+PROGRESS_MARK = "\x1b]hetccl-bench-progress;"  # rank 0 -> `hetccl bench`: one stderr line per step done
 
 
 def bus_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
     return 1.0
+
+
+def size_label(nbytes: float) -> str:
+    """4096 -> '4K', 1048576 -> '1M', 67108864 -> '64M' (powers of 1024, as nccl-tests' -b/-e are written)."""
+    n = float(nbytes)
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f}{unit}" if abs(v - round(v)) < 1e-9 else f"{v:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     p.add_argument("--budget", type=float, default=2.0, help="seconds per size at most (fewer iterations)")
     p.add_argument("--no-inplace", action="store_true", help="skip the in-place variant")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line (it only shows on a terminal)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw busbw against size for every op run (needs matplotlib: hetccl[plot])")
     p.add_argument("--anchor", action="append", default=[], metavar="NAME=FILE.json",
@@ -104,11 +120,18 @@ def main(argv: list[str]) -> int:
     if not _under_launcher():
         from .launcher import launch
 
-        env = None
-        if not args.no_progress and sys.stderr.isatty():
-            # the launcher forwards ranks' stderr line by line: rank 0 draws on our terminal directly
-            env = {"HETCCL_BENCH_TTY": os.ttyname(sys.stderr.fileno())}
-        return launch(args.nprocs, [sys.executable, "-m", "hetccl", "bench", *argv], env=env)
+        cmd = [sys.executable, "-m", "hetccl", "bench", *argv]
+        if args.no_progress or not _isatty(sys.stderr):
+            return launch(args.nprocs, cmd, tag_output=False)
+        # rank 0 reports progress on its stderr; the launcher hands every line to us, and we alone write to
+        # the terminal: the progress line is erased before a line of output and drawn again after it
+        terminal = _Terminal(sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = terminal.out, terminal.err
+        try:
+            return launch(args.nprocs, cmd, env={"HETCCL_BENCH_PROGRESS": "1"}, tag_output=False)
+        finally:
+            terminal.close()
+            sys.stdout, sys.stderr = terminal.real_out, terminal.real_err
     import hetccl
 
     return hetccl.run(_run(args))
@@ -188,9 +211,12 @@ def _require_matplotlib() -> Any:
     return plt
 
 
-def plot(path: str, series: dict[str, list[dict[str, Any]]]) -> None:
-    """busbw (GB/s) against size: one panel per op, one line per series (in-place dashed)."""
+def plot(path: str, series: dict[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+    """busbw (GB/s) against size: one panel per op, one line per series (in-place dashed). Returns each panel's
+    size tick labels as drawn."""
     plt = _require_matplotlib()
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
     ops = [op for op in OPS if any(r["op"] == op for rows in series.values() for r in rows)]
     if not ops:
         from .errors import ConfigError
@@ -208,6 +234,11 @@ def plot(path: str, series: dict[str, list[dict[str, Any]]]) -> None:
                     ax.plot([x for x, _ in xy], [y for _, y in xy], style, marker="o", markersize=3,
                             color=f"C{i}", label=label + (" in-place" if v == "ip" else ""))
         ax.set_xscale("log", base=2)
+        sizes = sorted({r["size"] for rows in series.values() for r in rows if r["op"] == op})
+        if sizes:  # a tick at every size measured (every other when there are many), read 4K, 1M, 64M
+            ax.set_xticks(sizes if len(sizes) <= 10 else sizes[::2])
+            ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: size_label(x)))
         ax.set_title(op)
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
@@ -217,33 +248,112 @@ def plot(path: str, series: dict[str, list[dict[str, Any]]]) -> None:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    ticks = {op: [t.get_text() for t in ax.get_xticklabels()] for ax, op in zip(axes.flat, ops, strict=False)}
     plt.close(fig)
+    return ticks
 
 
-def _progress(args: argparse.Namespace, total: int) -> Any:
-    """A rich progress bar on rank 0's terminal (the launcher's, via HETCCL_BENCH_TTY), else None."""
-    if args.no_progress:
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class _Progress:
+    """Rank 0's side: one PROGRESS_MARK line on stderr per step, read by `hetccl bench` (see _Terminal)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        print(f"{PROGRESS_MARK}{self.done}/{self.total} {what}", file=sys.stderr, flush=True)
+
+
+def _progress(args: argparse.Namespace, total: int) -> _Progress | None:
+    if args.no_progress or os.environ.get("HETCCL_BENCH_PROGRESS") != "1":
         return None
-    stream: Any = None
-    tty = os.environ.get("HETCCL_BENCH_TTY")
-    if tty:
-        try:
-            stream = open(tty, "w")  # noqa: SIM115 - closed with the bar
-        except OSError:
-            stream = None
-    elif sys.stderr.isatty():
-        stream = sys.stderr
-    if stream is None:
-        return None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return _Progress(total)
 
-    bar = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=Console(file=stream), transient=True, redirect_stdout=False, redirect_stderr=False)
-    bar.start()
-    bar.hetccl_task = bar.add_task("hetccl bench", total=total)  # type: ignore[attr-defined]
-    bar.hetccl_stream = stream  # type: ignore[attr-defined]
-    return bar
+
+class _Terminal:
+    """The one writer of `hetccl bench`'s terminal while its ranks run: every line of output (the launcher writes
+    whole lines) first erases the progress line, then the progress line is drawn again below it."""
+
+    BAR = 30
+
+    def __init__(self, out: Any, err: Any):
+        import threading
+
+        self.real_out, self.real_err = out, err
+        self._lock = threading.RLock()
+        self._shown = False
+        self._state: tuple[int, int, str] | None = None
+        self._start = time.monotonic()
+        self.out = _Stream(self, out, is_err=False)
+        self.err = _Stream(self, err, is_err=True)
+
+    def _erase(self) -> None:
+        if self._shown:
+            self.real_err.write("\r\x1b[K")
+            self.real_err.flush()
+            self._shown = False
+
+    def _draw(self) -> None:
+        if self._state is None:
+            return
+        done, total, what = self._state
+        filled = self.BAR * done // max(total, 1)
+        bar = "━" * filled + ("╸" if filled < self.BAR else "") + " " * max(self.BAR - filled - 1, 0)
+        secs = int(time.monotonic() - self._start)
+        self.real_err.write(f"\r\x1b[K{what[:28]:<28} {bar} {done}/{total} {secs // 60}:{secs % 60:02d}")
+        self.real_err.flush()
+        self._shown = True
+
+    def write(self, text: str, is_err: bool) -> None:
+        with self._lock:
+            for line in text.splitlines(keepends=True):
+                if is_err and line.startswith(PROGRESS_MARK):
+                    count, _, what = line[len(PROGRESS_MARK):].strip().partition(" ")
+                    try:
+                        done, total = (int(x) for x in count.split("/"))
+                    except ValueError:
+                        continue
+                    self._state = (done, total, what)
+                    self._draw()
+                    continue
+                self._erase()
+                target = self.real_err if is_err else self.real_out
+                target.write(line)
+                target.flush()
+                if line.endswith("\n"):
+                    self._draw()
+
+    def close(self) -> None:
+        with self._lock:
+            self._erase()
+            self._state = None
+
+
+class _Stream:
+    """A text stream that hands what is written to its _Terminal (no .buffer: the launcher writes str)."""
+
+    def __init__(self, terminal: _Terminal, real: Any, is_err: bool):
+        self._terminal, self._real, self._is_err = terminal, real, is_err
+
+    def write(self, text: str) -> int:
+        self._terminal.write(text, self._is_err)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return _isatty(self._real)
+
+    def fileno(self) -> int:
+        return self._real.fileno()
 
 
 def _pattern(count: int, rank: int, np_dtype: Any) -> np.ndarray:
@@ -259,7 +369,7 @@ class _Case:
         isz = np.dtype(np_dtype).itemsize
         self.comm, self.op, self.redop, self.root, self.inplace = comm, op, redop, root, inplace
         per = nbytes // isz
-        if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
             per = max(per // n, 1) if op != "all_to_all" else max(per // n, 1) * n
         self.count = per
         self.dtype = np_dtype
@@ -268,11 +378,11 @@ class _Case:
             self.src = _pattern(c, r, np_dtype)
             self.buf = self.src.copy()
             self.size_bytes = c * isz
-        elif op == "all_gather":
+        elif op in ("all_gather", "gather"):
             self.src = _pattern(c, r, np_dtype)
             self.out = np.zeros(n * c, np_dtype)
             self.size_bytes = n * c * isz
-        elif op == "reduce_scatter":
+        elif op in ("reduce_scatter", "scatter"):
             self.src = _pattern(n * c, r, np_dtype)
             self.out = np.zeros(c, np_dtype)
             self.size_bytes = n * c * isz
@@ -292,6 +402,10 @@ class _Case:
             await comm.broadcast(self.buf, root=self.root)
         elif op == "reduce":
             await comm.reduce(self.buf, root=self.root, op=self.redop)
+        elif op == "gather":
+            await comm.gather(self.out if r == self.root else None, self.src, root=self.root)
+        elif op == "scatter":
+            await comm.scatter(self.out, self.src if r == self.root else None, root=self.root)
         elif op == "all_gather":
             c = self.count
             if self.inplace:
@@ -331,8 +445,12 @@ class _Case:
                 got = self.buf
         elif self.op == "broadcast":
             want, got = pats[self.root], self.buf
-        elif self.op == "all_gather":
+        elif self.op == "all_gather" or (self.op == "gather" and r == self.root):
             want, got = np.concatenate([p[:c] for p in pats]), self.out
+        elif self.op == "gather":
+            return 0  # only the root receives
+        elif self.op == "scatter":
+            want, got = pats[self.root][r * c:(r + 1) * c], self.out
         else:
             k = c // n
             want = np.concatenate([pats[p][r * k:(r + 1) * k] for p in range(n)])
@@ -392,14 +510,15 @@ async def _run(args: argparse.Namespace) -> int:
     nsizes, size = 0, args.minbytes
     while size <= args.maxbytes:
         nsizes, size = nsizes + 1, size * args.stepfactor
-    variants = {op: 1 if args.no_inplace or op in ("broadcast", "reduce", "all_to_all") else 2
-                for op in args.ops.split(",")}
+    variants = {op: 1 if args.no_inplace or op in ONE_VARIANT else 2 for op in args.ops.split(",")}
     bar = _progress(args, nsizes * sum(variants.values())) if r == 0 else None
     for op in args.ops.split(","):
         if r == 0:
             redop = args.op if op in ("all_reduce", "reduce_scatter", "reduce") else "none"
-            root = args.root if op in ("broadcast", "reduce") else -1
+            root = args.root if op in ("broadcast", "reduce", "gather", "scatter") else -1
             print(f"\n# {op}  (redop {redop}, root {root})")
+            # nccl-tests' grouping: which columns are the out-of-place and which the in-place variant
+            print(f"# {'':>12} {'':>12} {'':>8} {'':>6} {'':>5} |{'out-of-place':^35}|{'in-place':^35}")
             print(f"# {'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5} |"
                   f" {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6} |"
                   f" {'time':>9} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
@@ -410,7 +529,7 @@ async def _run(args: argparse.Namespace) -> int:
         while size <= args.maxbytes:
             row: dict[str, Any] = {"op": op, "nranks": n, "type": dtype_name(dt), "transports": kinds}
             for inplace in (False, True):
-                if inplace and (args.no_inplace or op in ("broadcast", "reduce", "all_to_all")):
+                if inplace and (args.no_inplace or op in ONE_VARIANT):
                     continue
                 case = _Case(comm, op, size, np_dtype, args.op, args.root, inplace)
                 t, wrong = await _time_case(case, args.iters, args.warmup_iters, args.budget)
@@ -421,11 +540,11 @@ async def _run(args: argparse.Namespace) -> int:
                             f"{key}_busbw": algbw * bus_factor(op, n), f"{key}_wrong": wrong})
                 total_wrong += wrong
                 if bar is not None:
-                    bar.update(bar.hetccl_task, advance=1, description=f"{op} {size} B")
+                    bar.step(f"{op} {size_label(size)}{' in-place' if inplace else ''}")
             results.append(row)
             if r == 0:
                 redop = args.op if op in ("all_reduce", "reduce_scatter", "reduce") else "none"
-                root = args.root if op in ("broadcast", "reduce") else -1
+                root = args.root if op in ("broadcast", "reduce", "gather", "scatter") else -1
 
                 def cols(k: str, row: dict[str, Any] = row) -> str:
                     if f"{k}_time_us" not in row:
@@ -436,10 +555,6 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"  {row['size']:>12} {row['count']:>12} {dtype_name(dt):>8} {redop:>6} {root:>5} |"
                       f"{cols('oop')} |{cols('ip')}", flush=True)
             size *= args.stepfactor
-    if bar is not None:
-        bar.stop()
-        if bar.hetccl_stream is not sys.stderr:
-            bar.hetccl_stream.close()
     if r == 0:
         print(f"\n# Out of bounds values : {total_wrong} {'OK' if total_wrong == 0 else 'FAILED'}")
         doc = {"tool": "hetccl", "nranks": n, "results": results}

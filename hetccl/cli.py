@@ -15,6 +15,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         print("hetccl run: give the command to launch, e.g. hetccl run -n 2 -- python train.py", file=sys.stderr)
         return 2
+    if args.nprocs < 1:
+        print(f"hetccl run: -n {args.nprocs}: give the number of ranks to start, 1 or more "
+              "(e.g. hetccl run -n 2 -- python train.py)", file=sys.stderr)
+        return 2
     env = None
     if args.torch_backend_alias:
         import os
@@ -25,7 +29,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         path = os.environ.get("PYTHONPATH", "")
         env = {"HETCCL_TORCH_ALIAS": args.torch_backend_alias,
                "PYTHONPATH": alias_dir + (os.pathsep + path if path else "")}
-    return launch(args.nprocs, cmd, env=env, addr=args.addr, port=args.port, timeout=args.timeout)
+    from .errors import HetcclError
+
+    try:
+        return launch(args.nprocs, cmd, env=env, addr=args.addr, port=args.port, timeout=args.timeout,
+                      tag_output=not args.no_tag_output)
+    except HetcclError as exc:  # bad flags (a ConfigError): one line, not a traceback
+        print(f"hetccl run: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the program cannot be started (missing, not executable): as a shell says it
+        print(f"hetccl run: cannot start {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -59,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--addr", default="127.0.0.1", help="rendezvous address rank 0 listens on")
     r.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     r.add_argument("--timeout", type=float, default=None, help="kill the job after this many seconds")
+    r.add_argument("--no-tag-output", action="store_true",
+                   help="do not prefix every output line with its rank ([1] ...), e.g. for JSON from one rank")
     r.add_argument("--torch-backend-alias", default=None, metavar="NAMES",
                    help="run an unmodified PyTorch script on hetccl: torch.distributed backends with these names "
                         "(comma list, e.g. nccl,gloo) become \"hetccl\"")

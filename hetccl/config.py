@@ -114,7 +114,9 @@ def parse_size(text: str) -> int:
     return value
 
 
-def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+def parse_addr(text: str, default_port: int = DEFAULT_PORT, *, name: str | None = None) -> tuple[str, int]:
+    """'host:port', '[v6]:port', 'host' (-> default_port). With ``name`` (the variable or argument it came from)
+    the port is required: a job of several ranks meets at a port every rank must know."""
     text = text.strip()
     if text.startswith("["):  # [v6]:port
         host, _, rest = text[1:].partition("]")
@@ -129,6 +131,9 @@ def parse_addr(text: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
         raise ConfigError(f"address {text!r} is not host:port") from None
     if not 0 <= value <= 65535:
         raise ConfigError(f"address {text!r}: port must be 0..65535")
+    if name is not None and value == 0:
+        raise ConfigError(f"{name}={text!r} needs host:port (e.g. {host or '127.0.0.1'}:29500): rank 0 serves "
+                          "the rendezvous at that port and every rank must know it (hetccl run picks a free one)")
     return host or "127.0.0.1", value
 
 
@@ -155,7 +160,7 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
         local = _env_int(local_var, env) if local_var in env else None
         addr = None
         if "HETCCL_ADDR" in env:
-            addr = parse_addr(env["HETCCL_ADDR"])
+            addr = parse_addr(env["HETCCL_ADDR"], name="HETCCL_ADDR" if size > 1 else None)
         elif source == "torchrun" or "MASTER_ADDR" in env:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
                 missing = "MASTER_ADDR" if "MASTER_ADDR" not in env else "MASTER_PORT"

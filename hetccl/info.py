@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import sys
+import textwrap
 
 
 def collect() -> dict[str, object]:
@@ -38,8 +40,12 @@ def collect() -> dict[str, object]:
         transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
     out["transports"] = transports
     from .bootstrap import island_label
+    from .errors import ConfigError
 
-    out["island"] = island_label()
+    try:
+        out["island"] = island_label()
+    except ConfigError as exc:  # a bad HETCCL_ISLAND: say why, as for the rest
+        out["island"] = f"refused: {exc}"
     vendors = {}
     from .vendor import ccl
 
@@ -48,9 +54,19 @@ def collect() -> dict[str, object]:
             lib = loader()
             vendors[name] = f"{'.'.join(map(str, lib.version))} at {lib.path}"
         except Exception as exc:  # the point of `info` is to say what is missing and why
-            vendors[name] = f"unavailable: {str(exc).splitlines()[0][:200]}"
+            vendors[name] = f"unavailable: {' '.join(str(exc).split())}"
     out["vendor_ccl"] = vendors
     return out
+
+
+def wrap(first: str, text: str, width: int | None = None) -> str:
+    """``first`` + ``text`` wrapped at word boundaries to ``width`` columns (the terminal's, at least 60), the
+    continuation lines indented under the start of ``text``. Nothing is cut."""
+    if width is None:
+        width = max(60, shutil.get_terminal_size((100, 24)).columns)
+    indent = " " * len(first)
+    return textwrap.fill(" ".join(str(text).split()), width=width, initial_indent=first, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def print_info() -> int:
@@ -59,12 +75,12 @@ def print_info() -> int:
     for key, value in info.items():
         if key in ("transports", "vendor_ccl"):
             continue
-        print(f"{key:<{width}} : {value}")
+        print(wrap(f"{key:<{width}} : ", str(value)))
     print("transports:")
     for name, t in info["transports"].items():  # type: ignore[union-attr]
         state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
-        print(f"  {name:<8} {state}  ({t['source']})")
+        print(wrap(f"  {name:<8} ", f"{state}  ({t['source']})"))
     print("vendor collective libraries (GPU islands):")
     for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
-        print(f"  {name:<8} {state}")
+        print(wrap(f"  {name:<8} ", state))
     return 0

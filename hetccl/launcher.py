@@ -6,9 +6,17 @@ Each child gets the parent environment, plus ``env``, plus the rank variables re
 counterparts (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``). Rank 0 hosts the rendezvous store on ``HETCCL_ADDR``.
 
-Children's stdout is inherited untouched; their stderr goes through a pipe, is forwarded line by line
-to the launcher's stderr, and the last ``tail_lines`` lines of each rank are kept so that a failing
-rank's last words can be repeated in the failure report.
+Output: each rank's stdout and stderr come through pipes and are read line by line; every line is written
+whole (ranks never interleave mid-line) to the launcher's stdout or stderr, prefixed with the rank (``[1] ...``,
+like ``mpirun --tag-output``) unless ``tag_output=False``. Python children run unbuffered
+(``PYTHONUNBUFFERED=1`` unless set), so that their lines arrive as they are printed.
+
+A failure is shown once. A Python traceback on a rank's stderr is held back (up to ``tail_lines`` lines) while
+the rank dies; the rank that failed first (the earliest traceback, else the first non-zero exit) is the one
+reported: its traceback, then one summary line, e.g. ``hetccl run: rank 1 failed with exit code 1; ranks 0, 2
+were stopped``. The other ranks' output from then on (their tracebacks are consequences: a lost peer) is not
+shown. A held traceback of a rank that keeps running (it was logged, not fatal) is shown after
+``HOLD_QUIET_S`` seconds of quiet, and at once if the rank exits 0.
 
 Only the standard library is needed here.
 """
@@ -30,12 +38,18 @@ __all__ = ["launch"]
 POLL_INTERVAL_S = 0.02  # how often children are polled
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL grace when the launcher stops the job itself
 SIGNAL_GRACE_S = 10.0  # how long forwarded SIGINT/SIGTERM may take before SIGKILL
-READER_JOIN_S = 2.0  # how long to wait for a rank's stderr to drain after it exited
-_MAX_LINE = 1 << 16  # longer stderr lines are forwarded (and kept) in pieces of this size
+READER_JOIN_S = 2.0  # how long to wait for a rank's output to drain after it exited
+SETTLE_S = 2.0  # after a failure: how long the rank that failed first (a traceback) may take to exit by itself
+HOLD_QUIET_S = 3.0  # a held traceback of a rank still running is shown after this much quiet...
+HOLD_MAX_S = 10.0  # ...or this long after it began
+DELAY_S = 0.25  # every line waits this long before it is written: time to see whether a traceback follows
+_MAX_LINE = 1 << 16  # longer lines are forwarded in pieces of this size
+_TRACEBACK = b"Traceback (most recent call last):"
+_CONSEQUENCE = b"hetccl.errors.PeerLostError: "
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _sleep = time.sleep  # one indirection, so that tests can interrupt the poll loop
-_stderr_lock = threading.Lock()
+_out_lock = threading.Lock()
 
 
 def _bad_argument(message: str) -> ValueError:
@@ -46,10 +60,11 @@ def _bad_argument(message: str) -> ValueError:
     return ConfigError(message)
 
 
-def _write_stderr(data: bytes | str) -> None:
-    """Write to the launcher's *current* sys.stderr, whole lines at a time, never raising."""
-    with _stderr_lock:
-        stream = sys.stderr
+def _write(which: str, data: bytes | str) -> None:
+    """Write to the launcher's *current* sys.stdout or sys.stderr (``which``), whole lines at a time, under
+    one lock for both streams, never raising."""
+    with _out_lock:
+        stream = sys.stdout if which == "stdout" else sys.stderr
         if stream is None:
             return
         try:
@@ -65,21 +80,147 @@ def _write_stderr(data: bytes | str) -> None:
             else:
                 stream.write(data.decode(errors="replace"))
                 stream.flush()
-        except (OSError, ValueError):  # stderr closed or broken: keep the child's pipe drained anyway
+        except (OSError, ValueError):  # closed or broken: keep the children's pipes drained anyway
             pass
+
+
+def _write_stderr(data: bytes | str) -> None:
+    _write("stderr", data)
 
 
 def _say(message: str) -> None:
     _write_stderr(f"hetccl run: {message}\n")
 
 
-class _StderrPump(threading.Thread):
-    """Reads one rank's stderr pipe: forwards each line at once and keeps the last ones."""
+class _Output:
+    """Where every rank's lines go: tagged, whole, held back while a traceback may be a dying rank's."""
 
-    def __init__(self, rank: int, pipe, tail_lines: int):
-        super().__init__(name=f"hetccl-launch-stderr-{rank}", daemon=True)
-        self._pipe = pipe
-        self.tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    def __init__(self, nprocs: int, tag: bool, hold_lines: int):
+        self._tag = tag
+        self._hold_lines = hold_lines
+        self._lock = threading.Lock()
+        self.held: dict[int, list[bytes]] = {}  # rank -> tagged lines of its traceback, not shown yet
+        self._held_dropped: dict[int, int] = {}
+        self._held_times: dict[int, tuple[float, float]] = {}  # rank -> (first line, last line)
+        self.traceback_at: dict[int, float] = {}  # rank -> when its first traceback began
+        self._triggers: set[int] = set()  # ranks whose held lines contain a traceback
+        self._queue: collections.deque[tuple[float, int, str, bytes]] = collections.deque()  # (due, rank, ..)
+        self.muted: set[int] = set()
+
+    def line(self, rank: int, which: str, data: bytes) -> None:
+        """A line from a rank's pipe (called by its reader thread): queued, or held with a traceback."""
+        if not data.endswith(b"\n"):
+            data += b"\n"
+        out = b"[%d] %s" % (rank, data) if self._tag else data
+        with self._lock:
+            if rank in self.muted:
+                return
+            now = time.monotonic()
+            if which == "stderr":
+                if data.startswith(_TRACEBACK) and rank not in self._triggers:
+                    self._triggers.add(rank)
+                    self.traceback_at.setdefault(rank, now)
+                    self._hold(rank, now)
+                    # other ranks' stderr of the last moments may be the consequence (a lost peer): hold it too
+                    keep = collections.deque()
+                    for entry in self._queue:
+                        if entry[2] == "stderr" and entry[1] != rank:
+                            self._hold(entry[1], now).append(entry[3])
+                        else:
+                            keep.append(entry)
+                    self._queue = keep
+                elif rank not in self.held and any(r != rank for r in self._triggers):
+                    self._hold(rank, now)  # while another rank's traceback is held: maybe a consequence
+                if rank in self.held:
+                    block = self.held[rank]
+                    block.append(out)
+                    if len(block) > self._hold_lines:
+                        del block[0]
+                        self._held_dropped[rank] += 1
+                    self._held_times[rank] = (self._held_times[rank][0], now)
+                    return
+            self._queue.append((now + DELAY_S, rank, which, out))
+
+    def _hold(self, rank: int, now: float) -> list[bytes]:
+        if rank not in self.held:
+            self.held[rank] = []
+            self._held_dropped[rank] = 0
+            self._held_times[rank] = (now, now)
+        return self.held[rank]
+
+    def flush(self, everything: bool = False) -> None:
+        """Write the queued lines that are due (all of them with ``everything``), in the order they came."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._queue or not (everything or self._queue[0][0] <= now):
+                    return
+                _, rank, which, out = self._queue.popleft()
+                if rank in self.muted:
+                    continue
+                _write(which, out)
+
+    def _take(self, rank: int) -> list[bytes]:
+        self._triggers.discard(rank)
+        block = self.held.pop(rank, [])
+        dropped = self._held_dropped.pop(rank, 0)
+        self._held_times.pop(rank, None)
+        if dropped:
+            note = b"... (%d earlier lines of this traceback not shown)\n" % dropped
+            block.insert(0, b"[%d] %s" % (rank, note) if self._tag else note)
+        return block
+
+    def show(self, rank: int) -> bool:
+        """Write the rank's held lines now (after what is queued); False if there were none."""
+        self.flush(everything=True)
+        with self._lock:
+            block = self._take(rank)
+            if block:
+                _write("stderr", b"".join(block))
+        return bool(block)
+
+    def mute(self, ranks: list[int]) -> None:
+        """Drop these ranks' held lines and everything they write from now on."""
+        with self._lock:
+            for rank in ranks:
+                self.muted.add(rank)
+                self._take(rank)
+
+    def release_stale(self, procs: list[subprocess.Popen]) -> None:
+        """Show held lines that were not a dying rank's: the rank exited 0, or stays alive and quiet, or (lines
+        held only because another rank's traceback was) no rank's traceback is held any more."""
+        now = time.monotonic()
+        for rank in list(self.held):
+            code = procs[rank].poll()
+            first, last = self._held_times.get(rank, (now, now))
+            with self._lock:
+                trigger = rank in self._triggers
+                others = any(r != rank for r in self._triggers)
+            if code == 0 or (code is None and (now - last >= HOLD_QUIET_S or now - first >= HOLD_MAX_S)
+                             ) or (code is None and not trigger and not others):
+                self.show(rank)
+                if trigger:
+                    with self._lock:  # it was not fatal: no sign of which rank failed first
+                        self.traceback_at.pop(rank, None)
+
+    def tracebacks(self) -> dict[int, float]:
+        """rank -> when its (possibly fatal) traceback began."""
+        with self._lock:
+            return dict(self.traceback_at)
+
+    def lost_a_peer(self, rank: int) -> bool:
+        """Whether the rank's held traceback is hetccl's news that another rank died (a consequence, not a cause:
+        the dead rank's exit may be seen after its peers' tracebacks began)."""
+        with self._lock:
+            return any(_CONSEQUENCE in line for line in self.held.get(rank, ()))
+
+
+class _Pump(threading.Thread):
+    """Reads one rank's stdout or stderr pipe line by line into the job's _Output."""
+
+    def __init__(self, rank: int, which: str, pipe, output: _Output):
+        super().__init__(name=f"hetccl-launch-{which}-{rank}", daemon=True)
+        self._rank, self._which, self._pipe, self._output = rank, which, pipe, output
 
     def run(self) -> None:
         try:
@@ -87,8 +228,7 @@ class _StderrPump(threading.Thread):
                 line = self._pipe.readline(_MAX_LINE)
                 if not line:
                     break
-                _write_stderr(line)
-                self.tail.append(line.decode(errors="replace").rstrip("\r\n"))
+                self._output.line(self._rank, self._which, line)
         except (OSError, ValueError):
             pass
         finally:
@@ -148,7 +288,8 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _stop_all(procs: list[subprocess.Popen], sig: int | None, grace: float, hurry=lambda: False) -> list[int]:
+def _stop_all(procs: list[subprocess.Popen], sig: int | None, grace: float, hurry=lambda: False,
+              tick=lambda: None) -> list[int]:
     """Send ``sig`` (None: nothing, it was sent already) to the ranks still running, give them
     ``grace`` seconds (less if ``hurry()`` turns true), SIGKILL the rest and reap everyone.
     Returns the ranks that had to be SIGKILLed."""
@@ -157,6 +298,7 @@ def _stop_all(procs: list[subprocess.Popen], sig: int | None, grace: float, hurr
             _send(p, sig)
     deadline = time.monotonic() + grace
     while _running(procs) and time.monotonic() < deadline and not hurry():
+        tick()
         _sleep(POLL_INTERVAL_S)
     killed = _running(procs)
     for rank in killed:
@@ -166,12 +308,16 @@ def _stop_all(procs: list[subprocess.Popen], sig: int | None, grace: float, hurr
     return killed
 
 
-def _join_pumps(pumps: list[_StderrPump]) -> None:
-    """Let the stderr readers forward what the (now dead) ranks wrote last. A grandchild that kept the
-    pipe open would block its reader for ever, hence the bounded wait (readers are daemon threads)."""
+def _join_pumps(pumps: list[_Pump]) -> None:
+    """Let the readers forward what the (now dead) ranks wrote last. A grandchild that kept a pipe open would
+    block its reader for ever, hence the bounded wait (readers are daemon threads)."""
     deadline = time.monotonic() + READER_JOIN_S
     for pump in pumps:
         pump.join(max(0.0, deadline - time.monotonic()))
+
+
+def _plural(ranks: list[int], one: str, many: str) -> str:
+    return f"rank {ranks[0]} {one}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)} {many}"
 
 
 def launch(
@@ -182,15 +328,17 @@ def launch(
     addr: str = "127.0.0.1",
     port: int | None = None,
     secret: str | None = None,
-    tail_lines: int = 20,
+    tail_lines: int = 200,
     timeout: float | None = None,
+    tag_output: bool = True,
 ) -> int:
     """Run ``nprocs`` copies of ``cmd`` (an argv list, no shell) as ranks 0..nprocs-1 of one job.
 
-    Returns 0 when every rank exits 0; else the exit code of the first rank that failed (128 + signum
-    for a rank killed by a signal), after stopping the others and printing that rank's last stderr
-    lines; 124 when ``timeout`` seconds passed first; 128 + signum when the launcher got SIGINT or
-    SIGTERM (forwarded to every rank). No child is left running when this returns or raises.
+    Returns 0 when every rank exits 0; else the exit code of the rank that failed first (128 + signum for a
+    rank killed by a signal), after stopping the others and printing that rank's traceback (its last
+    ``tail_lines`` lines at most) and one summary line; 124 when ``timeout`` seconds passed first; 128 + signum
+    when the launcher got SIGINT or SIGTERM (forwarded to every rank). Every output line of a rank is prefixed
+    with ``[rank] `` unless ``tag_output`` is False. No child is left running when this returns or raises.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise _bad_argument(f"nprocs={nprocs!r}: pass the number of ranks to start, a whole number >= 1")
@@ -214,6 +362,7 @@ def launch(
 
     base_env = dict(os.environ)
     base_env.update(env or {})
+    base_env.setdefault("PYTHONUNBUFFERED", "1")  # lines through our pipes as they are printed
     if secret is None:
         secret = base_env.get("HETCCL_SECRET") or secrets.token_hex(32)
     if not port:
@@ -228,7 +377,8 @@ def launch(
             previous_handlers[sig] = signal.signal(sig, lambda signum, _frame: received.append(signum))
 
     procs: list[subprocess.Popen] = []
-    pumps: list[_StderrPump] = []
+    pumps: list[_Pump] = []
+    output = _Output(nprocs, tag_output, max(tail_lines, 1))
     start = time.monotonic()
     try:
         for rank in range(nprocs):
@@ -248,32 +398,40 @@ def launch(
                 MASTER_ADDR=host,
                 MASTER_PORT=str(port),
             )
-            proc = subprocess.Popen(cmd, env=child_env, stdout=None, stderr=subprocess.PIPE)
+            proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             procs.append(proc)
-            pump = _StderrPump(rank, proc.stderr, tail_lines)
-            pump.start()
-            pumps.append(pump)
+            for which, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                pump = _Pump(rank, which, pipe, output)
+                pump.start()
+                pumps.append(pump)
 
-        first_failure: int | None = None
+        exited_at: dict[int, float] = {}
         while True:
             if received:
-                return _on_signal(procs, pumps, received)
+                return _on_signal(procs, pumps, output, received)
+            now = time.monotonic()
             for rank, proc in enumerate(procs):
-                if proc.poll() not in (None, 0):
-                    first_failure = rank  # lowest rank among those seen failing in the same poll
-                    break
-            if first_failure is not None:
-                return _on_failure(procs, pumps, first_failure, hurry=lambda: bool(received))
-            if not _running(procs):
+                if rank not in exited_at and proc.poll() is not None:
+                    exited_at[rank] = now
+            if any(procs[r].returncode != 0 for r in exited_at):
+                return _on_failure(procs, pumps, output, exited_at, hurry=lambda: bool(received))
+            output.release_stale(procs)
+            output.flush()
+            if len(exited_at) == nprocs:
                 _join_pumps(pumps)
+                for rank in range(nprocs):
+                    output.show(rank)
+                output.flush(everything=True)
                 return 0
-            if timeout is not None and time.monotonic() - start >= timeout:
+            if timeout is not None and now - start >= timeout:
                 still = _running(procs)
+                output.flush(everything=True)
                 _say(
                     f"timed out after {timeout:g} s; ranks still running: {_ranks_text(still)}; killing them"
                 )
-                _stop_all(procs, signal.SIGTERM, TERM_GRACE_S, hurry=lambda: bool(received))
+                _stop_all(procs, signal.SIGTERM, TERM_GRACE_S, hurry=lambda: bool(received), tick=output.flush)
                 _join_pumps(pumps)
+                output.flush(everything=True)
                 return 124
             _sleep(POLL_INTERVAL_S)
     finally:
@@ -282,33 +440,59 @@ def launch(
                 _stop_all(procs, signal.SIGTERM, TERM_GRACE_S)
             for proc in procs:
                 proc.wait()
+            output.flush(everything=True)
         finally:
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
 
 
-def _on_failure(procs: list[subprocess.Popen], pumps: list[_StderrPump], rank: int, hurry) -> int:
-    """Stop the other ranks (SIGKILL at once if the launcher gets SIGINT/SIGTERM meanwhile), report."""
-    code = procs[rank].returncode
+def _on_failure(procs: list[subprocess.Popen], pumps: list[_Pump], output: _Output, exited_at: dict[int, float],
+                hurry) -> int:
+    """Find the rank that failed first, give it a moment to exit by itself, stop the others (SIGKILL at once
+    if the launcher gets SIGINT/SIGTERM meanwhile), then show its traceback and one summary line."""
+
+    def first_failed() -> int:
+        failed = {r: t for r, t in exited_at.items() if procs[r].returncode != 0}
+        cutoff = min(failed.values())
+        tracebacks = output.tracebacks()
+        # a rank whose traceback began before the first failed exit is dying too, and was first: the others
+        # most likely failed because of it (a lost peer)
+        events = {r: min(tracebacks.get(r, t), t) for r, t in failed.items()}
+        events.update({r: t for r, t in tracebacks.items() if r not in exited_at and t <= cutoff})
+        return min(events, key=lambda r: (output.lost_a_peer(r), events[r], r))
+
+    origin = first_failed()
+    output.mute([r for r in range(len(procs)) if r != origin])
+    deadline = time.monotonic() + SETTLE_S
+    while procs[origin].poll() is None and time.monotonic() < deadline and not hurry():
+        output.flush()
+        _sleep(POLL_INTERVAL_S)
+    if procs[origin].poll() is None or procs[origin].returncode == 0:
+        # it did not die after all: report the first rank that exited with an error
+        origin = min((r for r in exited_at if procs[r].returncode != 0), key=lambda r: (exited_at[r], r))
+    now = time.monotonic()
+    for rank, proc in enumerate(procs):
+        if rank not in exited_at and proc.poll() is not None:
+            exited_at[rank] = now
+    failed_too = sorted(r for r in exited_at if r != origin and procs[r].returncode != 0)
     others = _running(procs)
     if others:
-        killed = _stop_all(procs, signal.SIGTERM, TERM_GRACE_S, hurry)
+        killed = _stop_all(procs, signal.SIGTERM, TERM_GRACE_S, hurry, tick=output.flush)
         if killed:
-            _say(f"ranks {_ranks_text(killed)} ignored SIGTERM for {TERM_GRACE_S:g} s; killed them")
+            _say(f"{_plural(killed, 'ignored', 'ignored')} SIGTERM for {TERM_GRACE_S:g} s; killed")
     _join_pumps(pumps)
-    lines = list(pumps[rank].tail)
-    report = [
-        f"hetccl run: rank {rank} failed with exit code {_describe_exit(code)}; "
-        f"last stderr lines of rank {rank}:"
-    ]
-    report += [f"    {line}" for line in lines] if lines else ["    (no stderr output)"]
+    output.show(origin)
+    code = procs[origin].returncode
+    summary = f"rank {origin} failed with exit code {_describe_exit(code)}"
+    if failed_too:
+        summary += f"; {_plural(failed_too, 'failed too', 'failed too')} (output not shown)"
     if others:
-        report.append(f"hetccl run: stopped ranks {_ranks_text(others)}")
-    _write_stderr("\n".join(report) + "\n")
+        summary += f"; {_plural(others, 'was stopped', 'were stopped')}"
+    _say(summary)
     return _exit_code(code)
 
 
-def _on_signal(procs: list[subprocess.Popen], pumps: list[_StderrPump], received: list[int]) -> int:
+def _on_signal(procs: list[subprocess.Popen], pumps: list[_Pump], output: _Output, received: list[int]) -> int:
     first = received[0]
     forwarded = 0
 
@@ -323,9 +507,12 @@ def _on_signal(procs: list[subprocess.Popen], pumps: list[_StderrPump], received
 
     forward_new()
     name = signal.Signals(first).name
+    output.flush(everything=True)
     _say(f"got {name}; forwarded it to every rank, waiting up to {SIGNAL_GRACE_S:g} s for them to exit")
-    killed = _stop_all(procs, None, SIGNAL_GRACE_S, hurry=forward_new)
+    killed = _stop_all(procs, None, SIGNAL_GRACE_S, hurry=forward_new, tick=output.flush)
     if killed:
         _say(f"ranks {_ranks_text(killed)} still running after {name}; killed them")
     _join_pumps(pumps)
+    output.flush(everything=True)
+    output.mute(list(range(len(procs))))  # the ranks' tracebacks of the interrupt are noise
     return 128 + first

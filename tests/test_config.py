@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import math
+import os
 
 import ml_dtypes
 import numpy as np
@@ -233,6 +234,26 @@ def test_parse_addr_default_port() -> None:
 def test_parse_addr_errors(text: str) -> None:
     with pytest.raises(ConfigError, match="host:port"):
         parse_addr(text)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "node7", "[::1]", "node7:0"])
+def test_hetccl_addr_without_a_port_says_so(addr: str) -> None:
+    """It used to be accepted as port 0: rank 0 listened on a random port, the others timed out connecting to
+    port 0 (or the store said "pick another port")."""
+    with pytest.raises(ConfigError, match=r"HETCCL_ADDR=.* needs host:port"):
+        identity_from_env({**HETCCL, "HETCCL_ADDR": addr})
+    # one rank needs no rendezvous: no port is fine there
+    assert identity_from_env({"HETCCL_RANK": "0", "HETCCL_WORLD_SIZE": "1", "HETCCL_ADDR": addr}).addr[1] == 0
+
+
+@pytest.mark.timeout(30)
+def test_init_addr_without_a_port_says_so(monkeypatch) -> None:
+    import hetccl
+
+    for var in ("HETCCL_ADDR", "HETCCL_RANK", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="addr='localhost' needs host:port"):
+        hetccl.run(hetccl.init(rank=0, world_size=2, addr="localhost"))
 
 
 # --------------------------------------------------------------------------------------------- Settings
@@ -634,10 +655,45 @@ def test_socket_ifname_picks_the_interface_address() -> None:
 
 @pytest.mark.parametrize("label", ["nvidia", "nvidia-0", "amd-a", "cpu", "CPU-b", "nvidia:1"])
 def test_island_label_with_a_vendor_prefix(monkeypatch, label):
+    from hetccl import bootstrap
+
+    monkeypatch.setattr(bootstrap, "vendor_devices", lambda vendor: True)  # as on a host with both GPU kinds
+    monkeypatch.setenv("HETCCL_ISLAND", label)
+    assert bootstrap.island_label() == label
+
+
+@pytest.mark.parametrize("label", ["nvidia", "nvidia-0", "amd-a", "AMD"])
+def test_gpu_island_label_without_that_gpu_is_refused(monkeypatch, label):
+    """`nvidia` on a machine with no NVIDIA GPU used to be accepted, and failed later inside the vendor library."""
+    from hetccl import bootstrap
+
+    vendor = label.split("-")[0].lower()
+    monkeypatch.setattr(bootstrap, "vendor_devices", lambda v: v != vendor)
+    monkeypatch.setenv("HETCCL_ISLAND", label)
+    with pytest.raises(ConfigError, match=f"names a {vendor} island, but this host has no {vendor} GPU.*cpu"):
+        bootstrap.island_label()
+    monkeypatch.setenv("HETCCL_ISLAND", "cpu-b")  # a CPU label is fine anywhere
+    assert bootstrap.island_label() == "cpu-b"
+
+
+@pytest.mark.timeout(30)
+def test_init_refuses_a_bad_island_label_before_the_rendezvous(monkeypatch):
+    """`HETCCL_ISLAND=banana` fails init at once, on the rank that has it, with nothing listening or sent."""
+    import hetccl
+
+    monkeypatch.setenv("HETCCL_ISLAND", "banana")
+    with pytest.raises(ConfigError, match="HETCCL_ISLAND='banana'"):
+        hetccl.run(hetccl.init(rank=1, world_size=2, addr="127.0.0.1:9", timeout=20))
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"), reason="this host has an "
+                    "NVIDIA GPU")
+def test_nvidia_island_refused_on_this_gpu_less_host(monkeypatch):
     from hetccl.bootstrap import island_label
 
-    monkeypatch.setenv("HETCCL_ISLAND", label)
-    assert island_label() == label
+    monkeypatch.setenv("HETCCL_ISLAND", "nvidia")
+    with pytest.raises(ConfigError, match="no nvidia GPU"):
+        island_label()
 
 
 @pytest.mark.parametrize("label", ["island0", "banana", "gpu-0", "nv-a"])

@@ -30,7 +30,8 @@ def test_topo_tables_under_a_launcher() -> None:
     proc = _hetccl("run", "-n", "3", "--", sys.executable, "-c", TOPO_RANK, "topo",
                    env={"TEST_ISLANDS": "cpu-a,cpu-b,cpu-b", "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    assert all(ln.startswith("[0] ") for ln in proc.stdout.splitlines())  # rank 0 prints, `hetccl run` tags
+    out = "\n".join(ln[4:] for ln in proc.stdout.splitlines())
     assert out.count("hetccl job: 3 rank(s), 1 host(s), 2 island(s)") == 1  # rank 0 only
     lines = out.splitlines()
     isl = {ln.split()[0]: ln.split()[1] for ln in lines if ln.strip().startswith("cpu-")}
@@ -45,7 +46,8 @@ def test_topo_tables_under_a_launcher() -> None:
 
 @pytest.mark.timeout(90)
 def test_topo_json_over_tcp_and_info_flag() -> None:
-    proc = _hetccl("run", "-n", "2", "--", sys.executable, "-c", TOPO_RANK, "info", "--topo", "--json",
+    proc = _hetccl("run", "-n", "2", "--no-tag-output", "--", sys.executable, "-c", TOPO_RANK, "info", "--topo",
+                   "--json",
                    env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_ALGO": "all_reduce=ring"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     topo = json.loads(proc.stdout)
@@ -131,14 +133,16 @@ def test_bench_plot_with_anchor(tmp_path) -> None:
     assert bad.returncode == 2 and "cannot read results" in bad.stderr
 
 
-def _bench_on_a_pty(*extra: str) -> tuple[int, bytes, str]:
+def _bench_on_a_pty(*extra: str, stdout_too: bool = False) -> tuple[int, bytes, str]:
+    """`hetccl bench` with stderr on a real pseudo-terminal (and stdout too with ``stdout_too``, as in a terminal
+    or tmux); returns its exit code, what reached the terminal, and stdout when that was a pipe."""
     import pty
 
     master, slave = pty.openpty()
     full = {k: v for k, v in os.environ.items() if not k.startswith(("HETCCL_", "RANK", "WORLD_SIZE"))}
     proc = subprocess.Popen([sys.executable, "-m", "hetccl", "bench", "--nprocs", "2", "-b", "4K", "-e", "16K",
                              "-n", "3", "-w", "1", "--ops", "all_reduce", *extra], cwd=ROOT, env=full,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+                            stdin=subprocess.DEVNULL, stdout=slave if stdout_too else subprocess.PIPE, stderr=slave)
     os.close(slave)
     seen, deadline = b"", time.monotonic() + 120
     try:
@@ -154,13 +158,51 @@ def _bench_on_a_pty(*extra: str) -> tuple[int, bytes, str]:
                     break
             elif proc.poll() is not None:
                 break
-        stdout = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode()
+        if stdout_too:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            stdout = ""
+        else:
+            stdout = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(master)
     return proc.returncode, seen, stdout
+
+
+def _screen(tty: bytes) -> list[str]:
+    """The lines a terminal shows for this output: \\r returns to column 0, ESC[K erases to the end of the line,
+    other escape sequences draw nothing."""
+    import re
+
+    lines, line, col = [], [], 0
+    text = tty.decode(errors="replace").replace("\r\n", "\n")
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\x1b":
+            m = re.match(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\n]*(\x07|\n)?", text[i:])
+            seq = m.group(0) if m else ch
+            if seq == "\x1b[K":
+                del line[col:]
+            i += len(seq)
+            continue
+        if ch == "\n":
+            lines.append("".join(line))
+            line, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            if col < len(line):
+                line[col] = ch
+            else:
+                line.append(ch)
+            col += 1
+        i += 1
+    if line:
+        lines.append("".join(line))
+    return lines
 
 
 @pytest.mark.timeout(120)
@@ -170,5 +212,48 @@ def test_bench_progress_bar_on_a_terminal_only() -> None:
     text = tty.decode(errors="replace")
     assert "━" in text and "/4" in text and "all_reduce" in text, text[-2000:]  # 2 sizes x (oop, in-place)
     assert "━" not in stdout  # the table on stdout stays clean
+    assert [ln for ln in _screen(tty) if ln.strip()] == []  # and the progress line is erased at the end
     rc, tty, stdout = _bench_on_a_pty("--no-progress")
     assert rc == 0 and "━" not in tty.decode(errors="replace")
+
+
+@pytest.mark.timeout(120)
+def test_bench_progress_and_table_share_a_terminal_without_colliding() -> None:
+    """stdout and stderr on one terminal (as in tmux): the progress line used to be drawn by rank 0 on the
+    terminal while the table came from elsewhere, and table lines landed in the middle of the bar."""
+    import re
+
+    rc, tty, _ = _bench_on_a_pty(stdout_too=True)
+    assert rc == 0, tty[-3000:]
+    assert "━".encode() in tty  # the progress line was drawn...
+    screen = _screen(tty)
+    assert not any("━" in ln or "╸" in ln for ln in screen), screen  # ...and erased every time
+    rows = [ln for ln in screen if re.match(r"\s+\d+\s+\d+\s+float32", ln)]
+    assert [ln.split()[0] for ln in rows] == ["4096", "16384"], screen
+    row = r"\s+\d+\s+\d+\s+float32\s+sum\s+-1 \|\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+0 \|\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+0"
+    for ln in rows:
+        assert re.fullmatch(row, ln), ln
+    assert "# Out of bounds values : 0 OK" in screen
+    header = screen.index("# all_reduce  (redop sum, root -1)")
+    assert re.fullmatch(r"#\s+\|\s+out-of-place\s+\|\s+in-place\s*", screen[header + 1]), screen[header + 1]
+
+
+def test_bench_default_ops_are_every_collective_of_the_api() -> None:
+    from hetccl.bench import parse_args
+    from hetccl.communicator import Communicator
+
+    collectives = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+                   "scatter")
+    assert all(callable(getattr(Communicator, op, None)) for op in collectives)
+    assert sorted(parse_args([]).ops.split(",")) == sorted(collectives)
+
+
+def test_bench_sizes_read_4k_1m_64m(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from hetccl.bench import plot, size_label
+
+    assert [size_label(x) for x in (512, 4096, 65536, 1 << 20, 64 << 20, 1 << 30, 6144)] == [
+        "512", "4K", "64K", "1M", "64M", "1G", "6K"]
+    rows = [{"op": "all_reduce", "size": 4096 << (2 * k), "oop_busbw": 1.0 + k} for k in range(8)]
+    ticks = plot(str(tmp_path / "p.png"), {"hetccl": rows})
+    assert ticks["all_reduce"] == ["4K", "16K", "64K", "256K", "1M", "4M", "16M", "64M"]

@@ -125,14 +125,24 @@ def pyverbs() -> SimpleNamespace:
     global _PV
     if _PV is not None:
         return _PV
+    # pyverbs.pyverbs_error calls logging.basicConfig(level=INFO) when imported: that would print every INFO
+    # record of the application (and hetccl's init line on every rank) on stderr. Keep the root logger as it was.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
-        importlib.import_module("pyverbs.device")
-    except ImportError as exc:
-        sys.modules.pop("pyverbs", None)
-        if not _load_system_pyverbs():
-            raise ImportError(str(exc)) from None
-    names = ("device", "enums", "cq", "pd", "mr", "qp", "wr", "addr", "pyverbs_error")
-    mods = {n: importlib.import_module(f"pyverbs.{n}") for n in names}
+        try:
+            importlib.import_module("pyverbs.device")
+        except ImportError as exc:
+            sys.modules.pop("pyverbs", None)
+            if not _load_system_pyverbs():
+                raise ImportError(str(exc)) from None
+        names = ("device", "enums", "cq", "pd", "mr", "qp", "wr", "addr", "pyverbs_error")
+        mods = {n: importlib.import_module(f"pyverbs.{n}") for n in names}
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
     _PV = SimpleNamespace(**mods)
     return _PV
 
