@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +28,19 @@ import numpy as np
 
 from . import observe
 from .config import Identity, Settings
-from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError, TransportError
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    ConfigError,
+    HetcclError,
+    PeerLostError,
+    TransportError,
+)
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
 from .transports.base import Endpoint, Transport, TransportContext
+from .waits import WaitNotes, rank_list
 
 log = logging.getLogger("hetccl")
 
@@ -135,7 +144,7 @@ class Fabric:
         if size == 1 and self.server is None and self.identity.addr is None:
             raise ConfigError("no rendezvous address")
         self.store = StoreClient(host, port, s.secret, s.timeout, rank)
-        await self.store.connect()
+        await self.store.connect(WaitNotes(s))
         # a fresh job id per rendezvous: keys and data connections of another job never mix with ours
         if rank == 0:
             self.job = secrets.token_hex(8)
@@ -163,8 +172,7 @@ class Fabric:
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
                 "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
-        self.records = [mine if r == rank else await self.store.get(f"{self.job}/rank/{r}")
-                        for r in range(size)]
+        self.records = await self._gather_records(mine)
         self.topology = Topology([rec["host"] for rec in self.records])
         ctx.local_ranks = self.topology.local_ranks(rank)
         # choose a transport per peer: highest priority that both sides have and that reaches the peer
@@ -190,6 +198,30 @@ class Fabric:
             ep.matcher.on_notice = self._notice
             ep.matcher.on_stash = self._stashed
         await observe.on_init(self, bind)
+
+    async def _gather_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's record, waiting at most the timeout for all of them; while ranks are missing, say which
+        now and then (waits.WaitNotes), asking the store in slices between the lines."""
+        assert self.store is not None
+        notes, timeout = WaitNotes(self.settings), self.settings.timeout
+        deadline = time.monotonic() + timeout
+        recs: dict[int, dict[str, Any]] = {self.rank: mine}
+        key = f"{self.job}/rank/{{}}".format
+        for r in range(self.size):
+            while r not in recs:
+                left = deadline - time.monotonic()
+                try:
+                    recs[r] = await self.store.get(key(r), timeout=max(0.0, min(left, notes.until_next())))
+                except CollectiveTimeout:
+                    if time.monotonic() >= deadline:  # the error of a plain get, as before
+                        raise CollectiveTimeout(
+                            f"rank {self.rank}: waited {timeout:.0f} s for store key {key(r)!r}; a rank never "
+                            "arrived (crashed, or started with another world size?)") from None
+                    missing = [q for q in range(self.size) if q not in recs and not await self.store.check(key(q))]
+                    if missing:
+                        notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
+                                  f"missing: {rank_list(missing)}")
+        return [recs[r] for r in range(self.size)]
 
     async def _goodbye(self) -> None:
         """Closing: tell the peers still connected where this rank stopped on each communicator (so a peer still

@@ -15,6 +15,7 @@ from .errors import ConfigError
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
+DEFAULT_WAIT_NOTICE = (10.0, 30.0)  # a rank waiting to join says so after 10 s, then every 30 s
 
 # (source name, rank var, size var, local-rank var, how the address is found)
 _RANK_SOURCES = (
@@ -95,6 +96,24 @@ def parse_ib_gid_index(text: str | None) -> int | None:
     if not 0 <= value <= 65535:
         raise ConfigError(f"HETCCL_IB_GID_INDEX={text!r} must be between 0 and 65535")
     return value
+
+
+def parse_wait_notice(text: str | None) -> tuple[float, float]:
+    """HETCCL_WAIT_NOTICE: 'first[,every]' seconds before a waiting rank's first line on stderr and between the
+    next ones (default 10,30); 0 turns the lines off."""
+    if text is None or str(text).strip() == "":
+        return DEFAULT_WAIT_NOTICE
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 2 or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"HETCCL_WAIT_NOTICE={text!r}: write first[,every] in seconds, e.g. 10,30 (the "
+                          "default), or 0 for no waiting lines")
+    first = values[0]
+    every = values[1] if len(values) == 2 else DEFAULT_WAIT_NOTICE[1]
+    return (first, every if every > 0 else math.inf) if first > 0 else (math.inf, math.inf)
 
 
 def parse_size(text: str) -> int:
@@ -189,6 +208,7 @@ class Settings:
     unexpected_bytes: int = 256 << 20  # per-peer buffer for data that arrives before its receive
     ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
     ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
+    wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -214,4 +234,5 @@ class Settings:
             s.bind_addr = interface_addr(env["HETCCL_SOCKET_IFNAME"].strip())
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
+        s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
         return s

@@ -648,3 +648,18 @@ def test_island_label_without_a_vendor_is_refused(monkeypatch, label):
     monkeypatch.setenv("HETCCL_ISLAND", label)
     with pytest.raises(ConfigError, match=f"HETCCL_ISLAND='{label}'.*starts with its vendor"):
         island_label()
+
+
+def test_settings_wait_notice() -> None:
+    """HETCCL_WAIT_NOTICE: first[,every] seconds of the lines a waiting rank prints; 0 = none."""
+    assert Settings.from_env({}).wait_notice == (10.0, 30.0)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "1,2.5"}).wait_notice == (1.0, 2.5)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "5"}).wait_notice == (5.0, 30.0)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "0"}).wait_notice == (math.inf, math.inf)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "3,0"}).wait_notice == (3.0, math.inf)  # one line only
+
+
+@pytest.mark.parametrize("value", ["x", "1,2,3", "-1", "nan", "1,inf", ","])
+def test_settings_wait_notice_rejected(value: str) -> None:
+    with pytest.raises(ConfigError, match="HETCCL_WAIT_NOTICE.*first\\[,every\\]"):
+        Settings.from_env({"HETCCL_WAIT_NOTICE": value})

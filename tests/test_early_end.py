@@ -10,10 +10,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
-from rankrun import finish, ranks_report, run_ranks, spawn_ranks
+from rankrun import ROOT, finish, ranks_report, run_ranks, spawn_ranks
 
 TRANSPORTS = {"shm": {"HETCCL_TRANSPORTS": "shm,tcp"}, "tcp": {"HETCCL_TRANSPORTS": "tcp"}}
 
@@ -48,3 +53,45 @@ def test_mismatch_reaches_every_rank_when_the_odd_rank_exits_at_once(kind: str, 
         assert rc == 0 and "mismatch-exit ok" in out, report
         # both ranks of the disagreement are named: rank 1 and one of the others
         assert "rank 1" in out and re.search(r"rank [02]\b", out.split("ok rank", 1)[1][3:]), report
+def _silent_rank(env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    code = "import hetccl; hetccl.init_sync()"
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_the_store_speaks_then_times_out() -> None:
+    """Nothing listens at HETCCL_ADDR: rank 1 says it is waiting for rank 0's store, then times out as before."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HETCCL_RANK="1", HETCCL_WORLD_SIZE="2", HETCCL_ADDR=f"127.0.0.1:{port}",
+               HETCCL_TIMEOUT="4", HETCCL_WAIT_NOTICE="1,1", HETCCL_SECRET="x")
+    t0 = time.monotonic()
+    proc = _silent_rank(env, 40)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stderr
+    err = proc.stderr
+    waits = re.findall(rf"hetccl: rank 1 waiting for rank 0's store at 127\.0\.0\.1:{port} \((\d+) s of 4\)", err)
+    assert len(waits) >= 2, err
+    assert "CollectiveTimeout" in err and "no rendezvous store" in err, err
+    assert err.index("waiting for rank 0's store") < err.index("CollectiveTimeout"), err
+    assert took < 30, took
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_missing_ranks_speaks() -> None:
+    """3 of a 4-rank job start: each says which rank is missing, then all time out as before."""
+    procs = spawn_ranks(4, "workers:still_works", env={"HETCCL_TIMEOUT": "4", "HETCCL_WAIT_NOTICE": "1,1"},
+                        after="init")
+    procs[2].kill()  # rank 2 never joins
+    results = finish(procs, 40)
+    report = ranks_report(results)
+    for r in (0, 1, 3):
+        rc, _out, err = results[r]
+        assert rc != 0, report
+        assert re.search(r"hetccl: rank \d: 3 of 4 ranks joined; missing: 2 \(\d+ s of 4\)", err), report
+        # rank 0 times out as before; the others may see its store go away with it first
+        final = "CollectiveTimeout" if r == 0 else ("CollectiveTimeout" if "CollectiveTimeout" in err
+                                                    else "lost the rendezvous store")
+        assert final in err and err.index("ranks joined") < err.index(final), report
