@@ -43,7 +43,7 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     if rank is None and world_size is None:
         ident = identity_from_env()
         if addr is not None:
-            ident.addr = parse_addr(addr)
+            ident.addr, ident.meet = parse_addr(addr), None  # an explicit address: rank 0 serves there
     else:
         if rank is None or world_size is None:
             raise ConfigError("pass both rank= and world_size= (or neither, to read the environment)")

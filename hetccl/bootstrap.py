@@ -134,13 +134,18 @@ class Fabric:
 
     async def _bootstrap(self) -> None:
         s, rank, size = self.settings, self.rank, self.size
+        host, port = self.identity.addr or ("127.0.0.1", 0)
+        external = os.environ.get("HETCCL_STORE_EXTERNAL") == "1"
+        if self.identity.meet == "torchrun" and not external:  # MASTER_PORT is torchrun's own store
+            from . import torchrun
+
+            host, port = await torchrun.meet(self)
+        elif rank == 0 and not external:
+            self.server = StoreServer(host, port, s.secret)
+            port = await self.server.start()
         if not s.secret:
             log.warning("hetccl: HETCCL_SECRET is not set; connections are authenticated with an empty key. "
                         "Set the same HETCCL_SECRET on every rank (hetccl run does it for you).")
-        host, port = self.identity.addr or ("127.0.0.1", 0)
-        if rank == 0 and os.environ.get("HETCCL_STORE_EXTERNAL") != "1":
-            self.server = StoreServer(host, port, s.secret)
-            port = await self.server.start()
         if size == 1 and self.server is None and self.identity.addr is None:
             raise ConfigError("no rendezvous address")
         self.store = StoreClient(host, port, s.secret, s.timeout, rank)

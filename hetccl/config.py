@@ -158,6 +158,7 @@ class Identity:
     local_rank: int
     addr: tuple[str, int] | None
     source: str
+    meet: str | None = None  # "torchrun": addr is torchrun's own store; meet through it (hetccl/torchrun.py)
 
 
 def identity_from_env(env: dict[str, str] | None = None) -> Identity:
@@ -172,7 +173,7 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
             raise ConfigError(f"{rank_var}={rank} and {size_var}={size}: need {size_var} >= 1 and "
                               f"0 <= {rank_var} < {size_var}")
         local = _env_int(local_var, env) if local_var in env else None
-        addr = None
+        addr, meet = None, None
         if "HETCCL_ADDR" in env:
             addr = parse_addr(env["HETCCL_ADDR"])
         elif source == "torchrun" or "MASTER_ADDR" in env:
@@ -180,6 +181,9 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
                 missing = "MASTER_ADDR" if "MASTER_ADDR" not in env else "MASTER_PORT"
                 raise ConfigError(f"{source} launch: {missing} is missing; set it or HETCCL_ADDR=host:port")
             addr = (env["MASTER_ADDR"], _env_int("MASTER_PORT", env))
+            if source == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                    and env.get("TORCHELASTIC_RUN_ID"):
+                meet = "torchrun"  # torchrun's agent serves its store at MASTER_PORT: rank 0 cannot listen there
         if addr is None and size > 1:
             raise ConfigError(
                 f"{source} launch: no rendezvous address; set HETCCL_ADDR=host:port "
@@ -187,7 +191,7 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
             )
         if local is None:
             local = rank if size == 1 else -1  # learnt from the topology exchange
-        return Identity(rank, size, local, addr, source)
+        return Identity(rank, size, local, addr, source, meet)
     raise ConfigError(
         "cannot tell this process's rank: set HETCCL_RANK and HETCCL_WORLD_SIZE and HETCCL_ADDR "
         "(or launch with `hetccl run -n N`, torchrun, srun or mpirun), or pass rank=, world_size=, addr="

@@ -49,6 +49,19 @@ def test_identity_torchrun_hetccl_addr_wins_over_master() -> None:
     assert ident.addr == ("fe80::1", 7) and ident.source == "torchrun"
 
 
+TORCHELASTIC = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def test_identity_torchrun_agent_store_meets_through_it() -> None:
+    """Under torchrun, MASTER_PORT is torchrun's own store: rank 0 must not listen there, the ranks meet on it."""
+    ident = identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert ident.meet == "torchrun" and ident.addr == ("10.0.0.2", 29400)
+    assert identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "False"}).meet is None
+    assert identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                              "HETCCL_ADDR": "h:5"}).meet is None
+    assert identity_from_env(TORCHRUN).meet is None  # RANK/MASTER_* set by hand, no torchrun agent
+
+
 def test_identity_slurm() -> None:
     assert identity_from_env({**SLURM, **ADDR}) == Identity(3, 16, 3, ("head", 1234), "slurm")
     ident = identity_from_env({**SLURM, "MASTER_ADDR": "m", "MASTER_PORT": "5"})
