@@ -25,10 +25,10 @@ TRANSPORTS = {"shm": {"HETCCL_TRANSPORTS": "shm,tcp"}, "tcp": {"HETCCL_TRANSPORT
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-@pytest.mark.parametrize("n", [2, 3])
-def test_rank_that_closes_early_is_a_mismatch_at_once(n: int, transport: str) -> None:
+@pytest.mark.parametrize("n, delay", [(2, 0.0), (3, 0.0), (2, 1.0)])
+def test_rank_that_closes_early_is_a_mismatch_at_once(n: int, delay: float, transport: str) -> None:
     proc = run_ranks(n, "workers:close_one_early", env=dict(TRANSPORTS[transport], HETCCL_TIMEOUT="30"),
-                     issued=5, timeout=50)
+                     issued=5, delay=delay, timeout=50)
     lines = [ln for ln in proc.stdout.splitlines() if "closed-early ok" in ln]
     assert len(lines) == n - 1, proc.stdout + proc.stderr[-3000:]
     for ln in lines:

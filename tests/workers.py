@@ -523,15 +523,17 @@ async def bound_to_interface(comm: hetccl.Communicator) -> None:
     os.write(1, f"bound ok {addr}\n".encode())
 
 
-async def close_one_early(comm: hetccl.Communicator, issued: int) -> None:
+async def close_one_early(comm: hetccl.Communicator, issued: int, delay: float = 0.0) -> None:
     """Rank 1 issues one all_reduce fewer than the others and closes: the others must raise
     CollectiveMismatchError at once, naming rank 1 and where each side stopped, not PeerLostError after the
-    closing barrier's 10 s."""
+    closing barrier's 10 s. With `delay` the others start their last all_reduce only after rank 1's goodbye has
+    arrived (it must raise as it starts); without, usually while it waits."""
     buf = np.ones(1000, np.float32)
     for _ in range(issued - 1):
         await comm.all_reduce(buf)
     if comm.rank == 1:
         return  # rankrun's main closes the communicator
+    await asyncio.sleep(delay)
     t0 = time.monotonic()
     try:
         await comm.all_reduce(buf)
