@@ -44,7 +44,8 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     if rank is None and world_size is None:
         ident = identity_from_env()
         if addr is not None:
-            ident.addr = parse_addr(addr, name="addr" if ident.world_size > 1 else None)
+            # an explicit address: rank 0 serves there
+            ident.addr, ident.meet = parse_addr(addr, name="addr" if ident.world_size > 1 else None), None
     else:
         if rank is None or world_size is None:
             raise ConfigError("pass both rank= and world_size= (or neither, to read the environment)")

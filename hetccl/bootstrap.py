@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -27,13 +28,23 @@ import numpy as np
 
 from . import observe
 from .config import Identity, Settings
-from .errors import CollectiveMismatchError, ConfigError, HetcclError, PeerLostError, TransportError
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    ConfigError,
+    HetcclError,
+    PeerLostError,
+    TransportError,
+)
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
 from .transports.base import Endpoint, Transport, TransportContext
+from .waits import WaitNotes, rank_list
 
 log = logging.getLogger("hetccl")
+
+GOODBYE_COMMS = 200  # communicators listed in a goodbye: [id, next seq, op] each, well under NOTICE_MAX_BYTES
 
 
 def host_identity() -> str:
@@ -123,6 +134,8 @@ class Fabric:
         # communicator id -> the mismatch that made it unusable (its ranks no longer agree on the sequence)
         self.poisoned: dict[int, CollectiveMismatchError] = {}
         self._notices: set[asyncio.Task] = set()
+        # communicator id -> {job rank that closed: (its next sequence number, op code of its last collective)}
+        self.departed: dict[int, dict[int, tuple[int, int]]] = {}
         self.comms: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id -> Communicator
 
     @classmethod
@@ -139,17 +152,22 @@ class Fabric:
 
     async def _bootstrap(self) -> None:
         s, rank, size = self.settings, self.rank, self.size
+        host, port = self.identity.addr or ("127.0.0.1", 0)
+        external = os.environ.get("HETCCL_STORE_EXTERNAL") == "1"
+        if self.identity.meet == "torchrun" and not external:  # MASTER_PORT is torchrun's own store
+            from . import torchrun
+
+            host, port = await torchrun.meet(self)
+        elif rank == 0 and not external:
+            self.server = StoreServer(host, port, s.secret)
+            port = await self.server.start()
         if not s.secret:
             log.warning("hetccl: HETCCL_SECRET is not set; connections are authenticated with an empty key. "
                         "Set the same HETCCL_SECRET on every rank (hetccl run does it for you).")
-        host, port = self.identity.addr or ("127.0.0.1", 0)
-        if rank == 0 and os.environ.get("HETCCL_STORE_EXTERNAL") != "1":
-            self.server = StoreServer(host, port, s.secret)
-            port = await self.server.start()
         if size == 1 and self.server is None and self.identity.addr is None:
             raise ConfigError("no rendezvous address")
         self.store = StoreClient(host, port, s.secret, s.timeout, rank)
-        await self.store.connect()
+        await self.store.connect(WaitNotes(s))
         # a fresh job id per rendezvous: keys and data connections of another job never mix with ours
         if rank == 0:
             self.job = secrets.token_hex(8)
@@ -177,8 +195,7 @@ class Fabric:
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
                 "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
-        self.records = [mine if r == rank else await self.store.get(f"{self.job}/rank/{r}")
-                        for r in range(size)]
+        self.records = await self._gather_records(mine)
         self.topology = Topology([rec["host"] for rec in self.records])
         ctx.local_ranks = self.topology.local_ranks(rank)
         # choose a transport per peer: highest priority that both sides have and that reaches the peer
@@ -205,21 +222,61 @@ class Fabric:
             ep.matcher.on_stash = self._stashed
         await observe.on_init(self, bind)
 
+    async def _gather_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's record, waiting at most the timeout for all of them; while ranks are missing, say which
+        now and then (waits.WaitNotes), asking the store in slices between the lines."""
+        assert self.store is not None
+        notes, timeout = WaitNotes(self.settings), self.settings.timeout
+        deadline = time.monotonic() + timeout
+        recs: dict[int, dict[str, Any]] = {self.rank: mine}
+        key = f"{self.job}/rank/{{}}".format
+        for r in range(self.size):
+            while r not in recs:
+                left = deadline - time.monotonic()
+                try:
+                    recs[r] = await self.store.get(key(r), timeout=max(0.0, min(left, notes.until_next())))
+                except CollectiveTimeout:
+                    if time.monotonic() >= deadline:  # the error of a plain get, as before
+                        raise CollectiveTimeout(
+                            f"rank {self.rank}: waited {timeout:.0f} s for store key {key(r)!r}; a rank never "
+                            "arrived (crashed, or started with another world size?)") from None
+                    missing = [q for q in range(self.size) if q not in recs and not await self.store.check(key(q))]
+                    if missing:
+                        notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
+                                  f"missing: {rank_list(missing)}")
+        return [recs[r] for r in range(self.size)]
+
     async def _goodbye(self) -> None:
-        """Closing after a loss: tell the peers still connected which ranks died first (bounded, best effort)."""
+        """Closing: tell the peers still connected where this rank stopped on each communicator (so a peer still
+        waiting in a later collective raises CollectiveMismatchError at once instead of losing this rank after
+        the closing barrier), and, after a loss, which ranks died first (so survivors that had not yet noticed
+        the death name the dead rank, not this one). Bounded, best effort."""
         import msgpack
 
         from .transports.base import GOODBYE_TAG
         from .wire import CollOp, Fingerprint
 
         alive = [p for p in self.endpoints if p not in self.lost]
-        self.heal(alive)  # the loss failed every endpoint; these connections still work for one last frame
+        if not alive:
+            return
+        if self.lost:
+            self.heal(alive)  # the loss failed every endpoint; these connections still work for one last frame
+        comms = []
+        for cid, comm in list(self.comms.items())[:GOODBYE_COMMS]:
+            last = next((e[0].op for e in reversed(comm._flight.entries) if e[0].comm == cid), -1)
+            comms.append([cid, comm._seq, last])
         fp = Fingerprint(0, 0, CollOp.BARRIER, 255, 0)  # any valid header: control frames are not matched
-        self.tell(alive, fp, GOODBYE_TAG, msgpack.packb({"lost": sorted(self.lost)}))
+        self.tell(alive, fp, GOODBYE_TAG, msgpack.packb({"lost": sorted(self.lost), "comms": comms}))
+        await self.flush_notices(0.5)
+
+    async def flush_notices(self, timeout: float = 2.0) -> None:
+        """Wait (bounded) until the control messages handed to tell() are on the wire: a rank about to raise a
+        mismatch, or to close, may exit right after, and a notice still queued in this process would die with
+        it (its peers would then see a lost peer instead of the mismatch)."""
         pending = list(self._notices)
         if pending:
             with contextlib.suppress(Exception):
-                await asyncio.wait(pending, timeout=0.5)
+                await asyncio.wait(pending, timeout=min(timeout, self.settings.timeout))
 
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
@@ -297,6 +354,46 @@ class Fabric:
         self.report_mismatch(mine, exc, [g for g in comm._members if g != self.rank])
         return exc
 
+    def _departed(self, peer: int, cid: int, nxt: int, op: int) -> None:
+        """Job rank `peer` closed after issuing `nxt` collectives on communicator `cid`: a collective of ours
+        past that waits for a rank that will never run it. Poison the communicator if one is in flight now;
+        otherwise remember, so the first such collective raises when it starts (check_departed)."""
+        if self.closed:
+            return
+        self.departed.setdefault(cid, {})[peer] = (nxt, op)
+        comm = self.comms.get(cid)
+        if comm is None or cid in self.poisoned or peer not in comm._global_to_comm:
+            return
+        waiting = [e[0] for e in comm._flight.inflight.values()
+                   if e[0].comm == cid and (e[0].seq - nxt) & 0xFFFFFFFF < 1 << 31]
+        if waiting:
+            first = min(waiting, key=lambda f: (f.seq - nxt) & 0xFFFFFFFF)
+            self.poison(cid, self._departed_error(comm, peer, nxt, op, first))
+
+    def check_departed(self, comm: Any, fp: Any) -> None:
+        """Raise (and poison the communicator) if a member already closed before collective `fp`."""
+        gone = self.departed.get(fp.comm)
+        if not gone or fp.comm != comm.comm_id:
+            return
+        for peer, (nxt, op) in gone.items():
+            if (fp.seq - nxt) & 0xFFFFFFFF < 1 << 31:
+                exc = self._departed_error(comm, peer, nxt, op, fp)
+                self.poison(fp.comm, exc)
+                raise exc
+
+    def _departed_error(self, comm: Any, peer: int, nxt: int, op: int, fp: Any) -> CollectiveMismatchError:
+        from .wire import CollOp
+
+        who = comm._global_to_comm.get(peer, peer)
+        who = f"rank {who}" + (f" (job rank {peer})" if who != peer else "")
+        if nxt == 0:
+            stopped = "closed before its first collective"
+        else:
+            stopped = f"closed after {CollOp.NAMES.get(op, 'collective') if op >= 0 else 'collective'} #{nxt - 1}"
+        return CollectiveMismatchError(
+            f"{who} {stopped} while this rank (rank {comm.rank}) waits in {fp.describe()}: the ranks issued "
+            "different numbers of collectives; every rank must issue the same collectives before close()")
+
     def _notice(self, peer: int, fp: Any, payload: bytes, tag: int) -> None:
         import msgpack
 
@@ -307,15 +404,19 @@ class Fabric:
 
             hangreport.answer(self, peer, payload)
             return
-        if tag == GOODBYE_TAG:  # peer leaves because these ranks died: they are what pending work lost
+        if tag == GOODBYE_TAG:  # peer leaves: where it stopped, and the ranks whose death made it leave
             try:
-                lost = [int(r) for r in msgpack.unpackb(payload, max_array_len=65536, max_map_len=1)["lost"]]
+                msg = msgpack.unpackb(payload, max_array_len=65536, max_map_len=2, max_str_len=16, max_bin_len=0)
+                lost = [int(r) for r in msg["lost"]]
+                comms = [(int(c), int(n), int(o)) for c, n, o in msg.get("comms", ())]
             except Exception:  # noqa: BLE001 (malformed: ignored)
                 return
             for r in lost:
                 if 0 <= r < self.size and r != self.rank and r not in self.lost:
                     self._peer_lost(r, PeerLostError(f"rank {self.rank} lost rank {r} (reported by rank {peer}, "
                                                      "which is closing because of it)", r))
+            for cid, nxt, op in comms:
+                self._departed(peer, cid, nxt & 0xFFFFFFFF, op)
             return
 
         try:
@@ -338,7 +439,7 @@ class Fabric:
         if self.closed:
             return
         self.closed = True
-        if self.lost and self.size > 1:
+        if self.size > 1 and self.endpoints:
             await self._goodbye()
         if graceful and self.store is not None and self.size > 1:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with

@@ -15,6 +15,7 @@ from .errors import ConfigError
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
+DEFAULT_WAIT_NOTICE = (10.0, 30.0)  # a rank waiting to join says so after 10 s, then every 30 s
 
 # (source name, rank var, size var, local-rank var, how the address is found)
 _RANK_SOURCES = (
@@ -97,6 +98,24 @@ def parse_ib_gid_index(text: str | None) -> int | None:
     return value
 
 
+def parse_wait_notice(text: str | None) -> tuple[float, float]:
+    """HETCCL_WAIT_NOTICE: 'first[,every]' seconds before a waiting rank's first line on stderr and between the
+    next ones (default 10,30); 0 turns the lines off."""
+    if text is None or str(text).strip() == "":
+        return DEFAULT_WAIT_NOTICE
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 2 or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ConfigError(f"HETCCL_WAIT_NOTICE={text!r}: write first[,every] in seconds, e.g. 10,30 (the "
+                          "default), or 0 for no waiting lines")
+    first = values[0]
+    every = values[1] if len(values) == 2 else DEFAULT_WAIT_NOTICE[1]
+    return (first, every if every > 0 else math.inf) if first > 0 else (math.inf, math.inf)
+
+
 def parse_size(text: str) -> int:
     """'4K', '64M', '1G', '4096' -> bytes (powers of two, like nccl-tests)."""
     s = str(text).strip().upper().removesuffix("B").removesuffix("I")
@@ -144,6 +163,7 @@ class Identity:
     local_rank: int
     addr: tuple[str, int] | None
     source: str
+    meet: str | None = None  # "torchrun": addr is torchrun's own store; meet through it (hetccl/torchrun.py)
 
 
 def identity_from_env(env: dict[str, str] | None = None) -> Identity:
@@ -158,7 +178,7 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
             raise ConfigError(f"{rank_var}={rank} and {size_var}={size}: need {size_var} >= 1 and "
                               f"0 <= {rank_var} < {size_var}")
         local = _env_int(local_var, env) if local_var in env else None
-        addr = None
+        addr, meet = None, None
         if "HETCCL_ADDR" in env:
             addr = parse_addr(env["HETCCL_ADDR"], name="HETCCL_ADDR" if size > 1 else None)
         elif source == "torchrun" or "MASTER_ADDR" in env:
@@ -166,6 +186,9 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
                 missing = "MASTER_ADDR" if "MASTER_ADDR" not in env else "MASTER_PORT"
                 raise ConfigError(f"{source} launch: {missing} is missing; set it or HETCCL_ADDR=host:port")
             addr = (env["MASTER_ADDR"], _env_int("MASTER_PORT", env))
+            if source == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                    and env.get("TORCHELASTIC_RUN_ID"):
+                meet = "torchrun"  # torchrun's agent serves its store at MASTER_PORT: rank 0 cannot listen there
         if addr is None and size > 1:
             raise ConfigError(
                 f"{source} launch: no rendezvous address; set HETCCL_ADDR=host:port "
@@ -173,7 +196,7 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
             )
         if local is None:
             local = rank if size == 1 else -1  # learnt from the topology exchange
-        return Identity(rank, size, local, addr, source)
+        return Identity(rank, size, local, addr, source, meet)
     raise ConfigError(
         "cannot tell this process's rank: set HETCCL_RANK and HETCCL_WORLD_SIZE and HETCCL_ADDR "
         "(or launch with `hetccl run -n N`, torchrun, srun or mpirun), or pass rank=, world_size=, addr="
@@ -194,6 +217,7 @@ class Settings:
     unexpected_bytes: int = 256 << 20  # per-peer buffer for data that arrives before its receive
     ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
     ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
+    wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -219,4 +243,5 @@ class Settings:
             s.bind_addr = interface_addr(env["HETCCL_SOCKET_IFNAME"].strip())
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
+        s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
         return s

@@ -189,7 +189,10 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         raise comm._aborted
     poisoned = comm._fabric.poisoned.get(fp.comm)
     if poisoned is not None:
+        await comm._fabric.flush_notices()  # a notice of ours may still be queued: on the wire before we raise
         raise CollectiveMismatchError(f"{poisoned} (this communicator is unusable after it; create a new one)")
+    if comm._fabric.departed:
+        comm._fabric.check_departed(comm, fp)  # a member closed before this collective: it never comes
     key, rec = comm._watchdog.enter(timeout)
     if _obs.ON:
         body = _obs.collective(comm, fp, body, rec)
@@ -236,6 +239,9 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         _withdraw(comm, fp, peers, exc)
         if comm._fabric.poisoned.get(fp.comm) is not exc:  # found here, not reported by another rank
             comm._fabric.report_mismatch(fp, exc, [g for g in comm._members if g != comm._fabric.rank])
+        # the program may exit the moment it sees this error (uncaught): the other ranks must still learn of
+        # the mismatch, not just of a lost peer, so the notices go on the wire first (bounded)
+        await comm._fabric.flush_notices()
         raise
     except BaseException as exc:
         _withdraw(comm, fp, peers, exc if isinstance(exc, Exception) else HetcclError("interrupted"))

@@ -156,7 +156,9 @@ class StoreClient:
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
 
-    async def connect(self) -> None:
+    async def connect(self, notes: Any = None) -> None:
+        """Connect and authenticate, retrying until the store answers or the timeout; `notes` (waits.WaitNotes)
+        prints a line on stderr now and then while it does not."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
         delay, last = 0.01, None
@@ -182,6 +184,8 @@ class StoreClient:
                 raise CollectiveTimeout(
                     f"rank {self.rank}: no rendezvous store at {self.host}:{self.port} after "
                     f"{self.timeout:.0f} s ({last}); is rank 0 running with the same HETCCL_ADDR?")
+            if notes is not None:
+                notes.say(f"rank {self.rank} waiting for rank 0's store at {self.host}:{self.port}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
 

@@ -46,6 +46,8 @@ class _LoopThread:
         try:
             return fut.result(timeout)
         except TimeoutError:
+            if fut.done():  # the call's own error (CollectiveTimeout is a TimeoutError), not our wait's
+                raise
             fut.cancel()
             raise CollectiveTimeout(f"hetccl call did not return within {timeout:.0f} s") from None
 

@@ -50,6 +50,19 @@ def test_identity_torchrun_hetccl_addr_wins_over_master() -> None:
     assert ident.addr == ("fe80::1", 7) and ident.source == "torchrun"
 
 
+TORCHELASTIC = {"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def test_identity_torchrun_agent_store_meets_through_it() -> None:
+    """Under torchrun, MASTER_PORT is torchrun's own store: rank 0 must not listen there, the ranks meet on it."""
+    ident = identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert ident.meet == "torchrun" and ident.addr == ("10.0.0.2", 29400)
+    assert identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "False"}).meet is None
+    assert identity_from_env({**TORCHRUN, **TORCHELASTIC, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                              "HETCCL_ADDR": "h:5"}).meet is None
+    assert identity_from_env(TORCHRUN).meet is None  # RANK/MASTER_* set by hand, no torchrun agent
+
+
 def test_identity_slurm() -> None:
     assert identity_from_env({**SLURM, **ADDR}) == Identity(3, 16, 3, ("head", 1234), "slurm")
     ident = identity_from_env({**SLURM, "MASTER_ADDR": "m", "MASTER_PORT": "5"})
@@ -704,3 +717,18 @@ def test_island_label_without_a_vendor_is_refused(monkeypatch, label):
     monkeypatch.setenv("HETCCL_ISLAND", label)
     with pytest.raises(ConfigError, match=f"HETCCL_ISLAND='{label}'.*starts with its vendor"):
         island_label()
+
+
+def test_settings_wait_notice() -> None:
+    """HETCCL_WAIT_NOTICE: first[,every] seconds of the lines a waiting rank prints; 0 = none."""
+    assert Settings.from_env({}).wait_notice == (10.0, 30.0)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "1,2.5"}).wait_notice == (1.0, 2.5)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "5"}).wait_notice == (5.0, 30.0)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "0"}).wait_notice == (math.inf, math.inf)
+    assert Settings.from_env({"HETCCL_WAIT_NOTICE": "3,0"}).wait_notice == (3.0, math.inf)  # one line only
+
+
+@pytest.mark.parametrize("value", ["x", "1,2,3", "-1", "nan", "1,inf", ","])
+def test_settings_wait_notice_rejected(value: str) -> None:
+    with pytest.raises(ConfigError, match="HETCCL_WAIT_NOTICE.*first\\[,every\\]"):
+        Settings.from_env({"HETCCL_WAIT_NOTICE": value})

@@ -32,19 +32,72 @@ def run_torch(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | 
     return proc
 
 
-def run_torchrun(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess:
-    """The same under torchrun (`--standalone`, its default: every GPU visible to every rank)."""
+def torchrun_cmd(n: int, script: Path, *args: str, launch: list[str] | None = None) -> list[str]:
+    """torchrun (`python -m torch.distributed.run`) on `script`: `--standalone` with n ranks unless `launch`
+    gives the launcher's own arguments."""
+    launch = ["--standalone", "--nproc-per-node", str(n)] if launch is None else launch
+    return [sys.executable, "-m", "torch.distributed.run", *launch, str(script), *args]
+
+
+def torchrun_env(env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ, **(env or {}))
     env.setdefault("HETCCL_TIMEOUT", "60")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(WORKERS),
-           *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run_torchrun(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | None = None,
+                 script: Path = WORKERS) -> subprocess.CompletedProcess:
+    """The same under torchrun (`--standalone`, its default: every GPU visible to every rank)."""
+    proc = subprocess.run(torchrun_cmd(n, script, *args), env=torchrun_env(env), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} on {n} ranks under torchrun exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
     return proc
+
+
+TORCHRUN_INIT = HERE / "torchrun_init.py"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "sync", "twice"])
+def test_hetccl_init_under_torchrun_standalone(mode):
+    """hetccl's own init() from torchrun's environment alone: torchrun's store holds MASTER_PORT, so the ranks
+    meet through it instead of rank 0 failing to listen there (issue 15)."""
+    proc = run_torchrun(2, mode, script=TORCHRUN_INIT, env={"HETCCL_TIMEOUT": "30"})
+    assert proc.stdout.count("torchrun init ok") == (4 if mode == "twice" else 2), proc.stdout
+    assert "Address already in use" not in proc.stderr
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
+def test_hetccl_init_under_torchrun_c10d_two_nodes(transports):
+    """Two torchrun agents ("nodes" 0 and 1, 2 ranks each) meet through a c10d rendezvous on one machine; the 4
+    ranks then join hetccl through the agents' shared store."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = torchrun_env({"HETCCL_TIMEOUT": "30", "HETCCL_TRANSPORTS": transports})
+    procs = [subprocess.Popen(torchrun_cmd(4, TORCHRUN_INIT, "async", launch=[
+        "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hetccl-test-{port}", "--max-restarts", "0"]),
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append((p.wait(120), *p.communicate()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    report = "\n".join(f"--- node {i} rc={rc}\n{out}\n{err[-4000:]}" for i, (rc, out, err) in enumerate(outs))
+    assert all(rc == 0 for rc, _, _ in outs), report
+    oks = "".join(out for _, out, _ in outs)
+    for r in range(4):
+        assert f"torchrun init ok rank {r}/4 (async)" in oks, report
 
 
 def test_import_registers_backend_idempotently():

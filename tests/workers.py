@@ -521,3 +521,64 @@ async def bound_to_interface(comm: hetccl.Communicator) -> None:
     await comm.all_reduce(x)
     check(x, np.full(10, comm.size, np.float32), "all_reduce over the chosen interface")
     os.write(1, f"bound ok {addr}\n".encode())
+
+
+async def close_one_early(comm: hetccl.Communicator, issued: int, delay: float = 0.0) -> None:
+    """Rank 1 issues one all_reduce fewer than the others and closes: the others must raise
+    CollectiveMismatchError at once, naming rank 1 and where each side stopped, not PeerLostError after the
+    closing barrier's 10 s. With `delay` the others start their last all_reduce only after rank 1's goodbye has
+    arrived (it must raise as it starts); without, usually while it waits."""
+    buf = np.ones(1000, np.float32)
+    for _ in range(issued - 1):
+        await comm.all_reduce(buf)
+    if comm.rank == 1:
+        return  # rankrun's main closes the communicator
+    await asyncio.sleep(delay)
+    t0 = time.monotonic()
+    try:
+        await comm.all_reduce(buf)
+    except hetccl.CollectiveMismatchError as exc:
+        took = time.monotonic() - t0
+        os.write(1, f"closed-early ok rank {comm.rank} ({took:.2f} s): {exc}\n".encode())
+        return
+    raise AssertionError(f"rank {comm.rank}: all_reduce #{issued - 1} completed without rank 1")
+
+
+async def mismatch_then_exit(comm: hetccl.Communicator, kind: str) -> None:
+    """Like `mismatch`, on 3+ ranks, but rank 1 (the odd one) leaves the process the moment its
+    CollectiveMismatchError reaches it (os._exit: no close, no goodbye, no atexit): the notice must already be on
+    the wire, so the others still report the mismatch (naming both ranks), not a lost peer."""
+    r, n = comm.rank, comm.size
+    odd = r == 1
+    buf32 = np.ones(2000 if kind == "count" and odd else 1000, np.float32)
+    t0 = time.monotonic()
+    try:
+        if kind == "dtype" and odd:
+            await comm.all_reduce(np.ones(1000, np.int32))
+        elif kind == "op" and odd:
+            await comm.all_reduce(buf32, op="max")
+        elif kind == "collective":
+            await (comm.broadcast(buf32, root=0) if odd else comm.all_reduce(buf32))
+        elif kind == "root":
+            await comm.broadcast(buf32, root=1 if odd else 0)
+        elif kind == "order":
+            out = np.zeros(1000 * n, np.float32)
+            if odd:
+                await comm.all_gather(out, buf32)
+                await comm.all_reduce(buf32)
+            else:
+                await comm.all_reduce(buf32)
+                await comm.all_gather(out, buf32)
+        else:
+            await comm.all_reduce(buf32)
+        await comm.barrier()
+    except hetccl.CollectiveMismatchError as exc:
+        took = time.monotonic() - t0
+        os.write(1, f"mismatch-exit ok rank {r} ({took:.2f} s): {exc}\n".encode())
+        if odd:
+            os._exit(5)
+        return
+    except hetccl.HetcclError as exc:
+        os.write(1, f"mismatch-exit WRONG rank {r}: {type(exc).__name__}: {exc}\n".encode())
+        raise
+    raise AssertionError(f"rank {r}: mismatched collectives ({kind}) completed")
