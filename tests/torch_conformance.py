@@ -240,9 +240,14 @@ class _Recorder(unittest.TextTestResult):
         self._t0 = time.monotonic()
         super().startTest(test)
 
+    partial: str | None = None  # where to write the records after every test (a run cut short keeps them)
+
     def _rec(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
         self.records[test.id().split(".")[-1]] = {"outcome": outcome, "detail": detail[-4000:],
                                                    "seconds": round(time.monotonic() - self._t0, 2)}
+        if self.partial:
+            with open(self.partial, "w") as f:
+                json.dump({"summary": None, "tests": self.records}, f)
 
     def addSuccess(self, test: unittest.TestCase) -> None:  # noqa: N802
         super().addSuccess(test)
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(names))
         return 0
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    _Recorder.partial = args.json or None
     t0 = time.monotonic()
     runner = unittest.TextTestRunner(verbosity=2, resultclass=_Recorder, stream=sys.stdout)
     result: _Recorder = runner.run(suite)  # type: ignore[assignment]

@@ -285,6 +285,16 @@ def _wait_orders_streams(r: int, n: int) -> None:
         got = t[-1].clone()  # queued on the default stream
         want = torch.tensor(float(sum(q + 1 + rnd for q in range(n))), device="cpu")
         _eq(got.cpu(), want, f"wait() ordering, round {rnd}")
+    # DDP's compress hooks: the collective on the default stream behind ~50 ms of GPU work, then a `then`
+    # callback (torch runs it on a pool stream, made to wait for the future's events) reads the result. The
+    # events must be recorded on the collective's stream: on a fresh stream (what torch.cuda.ExternalStream(0)
+    # gives) the read runs at once and sees this rank's own value.
+    for rnd in range(3):
+        t = torch.full((4 << 20,), float(r + 1 + rnd))
+        torch.cuda._sleep(100_000_000)
+        fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0][-1:].clone())
+        want = torch.tensor([float(sum(q + 1 + rnd for q in range(n)))], device="cpu")
+        _eq(fut.wait().cpu(), want, f"future then() ordering, round {rnd}")
 
 
 def case_subgroup() -> None:

@@ -101,10 +101,20 @@ def record_event(stream: Any, device: int) -> Any:
         ops.record(ev.handle, handle)
         return ev
     if isinstance(stream, int):
-        stream = torch.cuda.ExternalStream(stream, device=device)
+        stream = torch_stream(stream, device)
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
+
+
+def torch_stream(handle: int, device: int) -> Any:
+    """The torch Stream of a raw stream handle on `device`. Handle 0 is the legacy default stream, which torch
+    calls the device's default stream: torch.cuda.ExternalStream(0) would hand back a fresh pool stream instead,
+    and whatever is recorded or waited on it would not be ordered with the work on stream 0."""
+    torch = torch_mod()
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def stream_of(buf: DeviceBuf) -> Any:
@@ -115,7 +125,7 @@ def stream_of(buf: DeviceBuf) -> Any:
             return caller
         return torch.cuda.current_stream(buf.device)
     if buf.stream:
-        return torch.cuda.ExternalStream(buf.stream, device=buf.device if buf.device >= 0 else None)
+        return torch_stream(buf.stream, buf.device if buf.device >= 0 else torch.cuda.current_device())
     return torch.cuda.current_stream()
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import hetccl
 from hetccl import lifecycle
 from hetccl.dtypes import parse_dtype
+from hetccl.gpu.runtime import torch_stream
 
 BACKEND_NAME = "hetccl"
 
@@ -259,16 +260,19 @@ class _EnqueuedWork(dist.Work):
             if hasattr(ev, "ops"):  # a driver event (runtime.record_event)
                 ev.ops.wait_event(current, ev.handle)
             else:
-                torch.cuda.ExternalStream(current, device=self._device).wait_event(ev)
+                torch_stream(current, self._device).wait_event(ev)
         return True
 
     def get_future(self) -> torch.futures.Future:
         if self._fut is None:
             fut = torch.futures.Future(devices=[self._device])
-            # completion events are recorded on the current stream: make it the one the collective ran on
-            with torch.cuda.device(self._device), \
-                    torch.cuda.stream(torch.cuda.ExternalStream(self._stream, device=self._device)):
+            # completion events are recorded on the current stream: make it the one the collective ran on (the
+            # usual case: DDP's hooks ask for the future where they issued the collective)
+            if _raw_stream(self._device) == self._stream:
                 fut.set_result(self._result)
+            else:
+                with torch.cuda.device(self._device), torch.cuda.stream(torch_stream(self._stream, self._device)):
+                    fut.set_result(self._result)
             self._fut = fut
         return self._fut
 
