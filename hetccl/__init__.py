@@ -86,6 +86,9 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
     async def guarded() -> Any:
         try:
             return await main
+        except BaseException as exc:
+            lifecycle.note_leaving(exc)  # the goodbye tells the peers this rank failed
+            raise
         finally:
             await lifecycle.close_loop(asyncio.get_running_loop())
 

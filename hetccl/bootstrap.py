@@ -132,10 +132,11 @@ class Fabric:
         self.closed = False
         self.lost: dict[int, BaseException] = {}
         # communicator id -> the mismatch that made it unusable (its ranks no longer agree on the sequence)
-        self.poisoned: dict[int, CollectiveMismatchError] = {}
+        self.poisoned: dict[int, CollectiveMismatchError | PeerLostError] = {}
         self._notices: set[asyncio.Task] = set()
-        # communicator id -> {job rank that closed: (its next sequence number, op code of its last collective)}
-        self.departed: dict[int, dict[int, tuple[int, int]]] = {}
+        # communicator id -> {job rank that closed: (its next sequence number, op code of its last collective, the
+        # error it failed on or None)}
+        self.departed: dict[int, dict[int, tuple[int, int, str | None]]] = {}
         self.comms: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id -> Communicator
 
     @classmethod
@@ -265,8 +266,13 @@ class Fabric:
         for cid, comm in list(self.comms.items())[:GOODBYE_COMMS]:
             last = next((e[0].op for e in reversed(comm._flight.entries) if e[0].comm == cid), -1)
             comms.append([cid, comm._seq, last])
+        from . import lifecycle
+
+        msg: dict[str, Any] = {"lost": sorted(self.lost), "comms": comms}
+        if lifecycle.leaving_reason:  # this process is ending on an error, not closing after its last collective
+            msg["error"] = lifecycle.leaving_reason
         fp = Fingerprint(0, 0, CollOp.BARRIER, 255, 0)  # any valid header: control frames are not matched
-        self.tell(alive, fp, GOODBYE_TAG, msgpack.packb({"lost": sorted(self.lost), "comms": comms}))
+        self.tell(alive, fp, GOODBYE_TAG, msgpack.packb(msg))
         await self.flush_notices(0.5)
 
     async def flush_notices(self, timeout: float = 2.0) -> None:
@@ -304,7 +310,7 @@ class Fabric:
             m._space.set()
 
     # ---- collective mismatches ---------------------------------------------------------------------------
-    def poison(self, comm: int, exc: CollectiveMismatchError) -> None:
+    def poison(self, comm: int, exc: CollectiveMismatchError | PeerLostError) -> None:
         """Make communicator `comm` unusable: fail its pending receives, and every later collective on it."""
         self.poisoned.setdefault(comm, exc)
         for ep in self.endpoints.values():
@@ -354,13 +360,14 @@ class Fabric:
         self.report_mismatch(mine, exc, [g for g in comm._members if g != self.rank])
         return exc
 
-    def _departed(self, peer: int, cid: int, nxt: int, op: int) -> None:
-        """Job rank `peer` closed after issuing `nxt` collectives on communicator `cid`: a collective of ours
-        past that waits for a rank that will never run it. Poison the communicator if one is in flight now;
-        otherwise remember, so the first such collective raises when it starts (check_departed)."""
+    def _departed(self, peer: int, cid: int, nxt: int, op: int, error: str | None = None) -> None:
+        """Job rank `peer` closed after issuing `nxt` collectives on communicator `cid` (ending on `error`, when
+        it failed): a collective of ours past that waits for a rank that will never run it. Poison the
+        communicator if one is in flight now; otherwise remember, so the first such collective raises when it
+        starts (check_departed)."""
         if self.closed:
             return
-        self.departed.setdefault(cid, {})[peer] = (nxt, op)
+        self.departed.setdefault(cid, {})[peer] = (nxt, op, error)
         comm = self.comms.get(cid)
         if comm is None or cid in self.poisoned or peer not in comm._global_to_comm:
             return
@@ -368,20 +375,21 @@ class Fabric:
                    if e[0].comm == cid and (e[0].seq - nxt) & 0xFFFFFFFF < 1 << 31]
         if waiting:
             first = min(waiting, key=lambda f: (f.seq - nxt) & 0xFFFFFFFF)
-            self.poison(cid, self._departed_error(comm, peer, nxt, op, first))
+            self.poison(cid, self._departed_error(comm, peer, nxt, op, first, error))
 
     def check_departed(self, comm: Any, fp: Any) -> None:
         """Raise (and poison the communicator) if a member already closed before collective `fp`."""
         gone = self.departed.get(fp.comm)
         if not gone or fp.comm != comm.comm_id:
             return
-        for peer, (nxt, op) in gone.items():
+        for peer, (nxt, op, error) in gone.items():
             if (fp.seq - nxt) & 0xFFFFFFFF < 1 << 31:
-                exc = self._departed_error(comm, peer, nxt, op, fp)
+                exc = self._departed_error(comm, peer, nxt, op, fp, error)
                 self.poison(fp.comm, exc)
                 raise exc
 
-    def _departed_error(self, comm: Any, peer: int, nxt: int, op: int, fp: Any) -> CollectiveMismatchError:
+    def _departed_error(self, comm: Any, peer: int, nxt: int, op: int, fp: Any, error: str | None = None
+                        ) -> CollectiveMismatchError | PeerLostError:
         from .wire import CollOp
 
         who = comm._global_to_comm.get(peer, peer)
@@ -390,6 +398,9 @@ class Fabric:
             stopped = "closed before its first collective"
         else:
             stopped = f"closed after {CollOp.NAMES.get(op, 'collective') if op >= 0 else 'collective'} #{nxt - 1}"
+        if error is not None:  # it failed: its error is the cause, not a different number of collectives
+            return PeerLostError(f"{who} failed ({error}) and left while this rank (rank {comm.rank}) waits in "
+                                 f"{fp.describe()}; see rank {peer}'s error", peer)
         return CollectiveMismatchError(
             f"{who} {stopped} while this rank (rank {comm.rank}) waits in {fp.describe()}: the ranks issued "
             "different numbers of collectives; every rank must issue the same collectives before close()")
@@ -406,9 +417,10 @@ class Fabric:
             return
         if tag == GOODBYE_TAG:  # peer leaves: where it stopped, and the ranks whose death made it leave
             try:
-                msg = msgpack.unpackb(payload, max_array_len=65536, max_map_len=2, max_str_len=16, max_bin_len=0)
+                msg = msgpack.unpackb(payload, max_array_len=65536, max_map_len=3, max_str_len=256, max_bin_len=0)
                 lost = [int(r) for r in msg["lost"]]
                 comms = [(int(c), int(n), int(o)) for c, n, o in msg.get("comms", ())]
+                error = str(msg["error"])[:200] if msg.get("error") else None
             except Exception:  # noqa: BLE001 (malformed: ignored)
                 return
             for r in lost:
@@ -416,7 +428,7 @@ class Fabric:
                     self._peer_lost(r, PeerLostError(f"rank {self.rank} lost rank {r} (reported by rank {peer}, "
                                                      "which is closing because of it)", r))
             for cid, nxt, op in comms:
-                self._departed(peer, cid, nxt & 0xFFFFFFFF, op)
+                self._departed(peer, cid, nxt & 0xFFFFFFFF, op, error)
             return
 
         try:

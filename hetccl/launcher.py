@@ -156,9 +156,7 @@ class _Output:
                 if not self._queue or not (everything or self._queue[0][0] <= now):
                     return
                 _, rank, which, out = self._queue.popleft()
-                if rank in self.muted:
-                    continue
-                _write(which, out)
+                _write(which, out)  # a muted rank's lines left in the queue came before the failure
 
     def _take(self, rank: int) -> list[bytes]:
         self._triggers.discard(rank)
@@ -179,12 +177,15 @@ class _Output:
                 _write("stderr", b"".join(block))
         return bool(block)
 
-    def mute(self, ranks: list[int]) -> None:
-        """Drop these ranks' held lines and everything they write from now on."""
+    def mute(self, ranks: list[int], since: float) -> None:
+        """Drop these ranks' held lines, their queued lines read at or after `since` (when the failure began),
+        and everything they write from now on. What they printed before the failure still comes out."""
         with self._lock:
             for rank in ranks:
                 self.muted.add(rank)
                 self._take(rank)
+            self._queue = collections.deque(e for e in self._queue
+                                            if e[1] not in self.muted or e[0] - DELAY_S < since)
 
     def release_stale(self, procs: list[subprocess.Popen]) -> None:
         """Show held lines that were not a dying rank's: the rank exited 0, or stays alive and quiet, or (lines
@@ -462,7 +463,11 @@ def _on_failure(procs: list[subprocess.Popen], pumps: list[_Pump], output: _Outp
         return min(events, key=lambda r: (output.lost_a_peer(r), events[r], r))
 
     origin = first_failed()
-    output.mute([r for r in range(len(procs)) if r != origin])
+    # when the failure began: its traceback, or its exit, which the launcher sees up to one poll late (the peers
+    # that lost it may have said so in between; from then on their lines are consequences)
+    began = min(output.tracebacks().get(origin, float("inf")),
+                exited_at.get(origin, time.monotonic()) - 2 * POLL_INTERVAL_S)
+    output.mute([r for r in range(len(procs)) if r != origin], since=began)
     deadline = time.monotonic() + SETTLE_S
     while procs[origin].poll() is None and time.monotonic() < deadline and not hurry():
         output.flush()
@@ -514,5 +519,5 @@ def _on_signal(procs: list[subprocess.Popen], pumps: list[_Pump], output: _Outpu
         _say(f"ranks {_ranks_text(killed)} still running after {name}; killed them")
     _join_pumps(pumps)
     output.flush(everything=True)
-    output.mute(list(range(len(procs))))  # the ranks' tracebacks of the interrupt are noise
+    output.mute(list(range(len(procs))), since=time.monotonic())  # the ranks' tracebacks of the interrupt are noise
     return 128 + first

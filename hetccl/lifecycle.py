@@ -54,12 +54,34 @@ def _forget() -> None:
     _backends.clear()
 
 
+# Why this process is leaving, when an exception ends it: the goodbye carries it, so that peers waiting for this
+# rank report a rank that failed (PeerLostError naming the error) rather than one that issued fewer collectives.
+leaving_reason: str | None = None
+
+
+def note_leaving(exc: BaseException) -> None:
+    """Record the exception that ends this process (the first one wins), for the goodbye."""
+    global leaving_reason
+    if leaving_reason is None and not isinstance(exc, SystemExit | KeyboardInterrupt | GeneratorExit):
+        leaving_reason = f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    note_leaving(exc)
+    _previous_excepthook(kind, exc, tb)
+
+
+_previous_excepthook = sys.excepthook
+
+
 def _register() -> None:
-    global _registered
+    global _registered, _previous_excepthook
     with _lock:
         if not _registered:
             atexit.register(close_all)
             os.register_at_fork(after_in_child=_forget)
+            # an uncaught exception reaches sys.excepthook before atexit closes what is open
+            _previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
             _registered = True
 
 

@@ -348,32 +348,38 @@ async def stranger(comm: hetccl.Communicator) -> None:
         print("refused", refused)
 
 
+async def _disagree(comm: hetccl.Communicator, kind: str, odd: bool, buf32: np.ndarray) -> None:
+    """One collective on which the odd rank disagrees with the others by `kind` (count: its buf32 is longer;
+    dtype, op, collective, root, order)."""
+    if kind == "dtype" and odd:
+        await comm.all_reduce(np.ones(1000, np.int32))
+    elif kind == "op" and odd:
+        await comm.all_reduce(buf32, op="max")
+    elif kind == "collective":
+        await (comm.broadcast(buf32, root=0) if odd else comm.all_reduce(buf32))
+    elif kind == "root":
+        await comm.broadcast(buf32, root=1 if odd else 0)
+    elif kind == "order":  # the odd rank issues the same two collectives in the other order
+        out = np.zeros(1000 * comm.size, np.float32)
+        if odd:
+            await comm.all_gather(out, buf32)
+            await comm.all_reduce(buf32)
+        else:
+            await comm.all_reduce(buf32)
+            await comm.all_gather(out, buf32)
+    else:
+        await comm.all_reduce(buf32)
+
+
 async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
     """Rank 1 disagrees with the others on a collective: every rank raises CollectiveMismatchError naming
     the ranks and both sides' descriptions, quickly (a fingerprint in the data, no extra round trip)."""
-    r, n = comm.rank, comm.size
+    r = comm.rank
     odd = r == 1
     buf32 = np.ones(1000 if (kind != "count" or not odd) else 1001, np.float32)
     t0 = time.monotonic()
     try:
-        if kind == "dtype" and odd:
-            await comm.all_reduce(np.ones(1000, np.int32))
-        elif kind == "op" and odd:
-            await comm.all_reduce(buf32, op="max")
-        elif kind == "collective":
-            await (comm.broadcast(buf32, root=0) if odd else comm.all_reduce(buf32))
-        elif kind == "root":
-            await comm.broadcast(buf32, root=1 if odd else 0)
-        elif kind == "order":  # rank 1 issues the same two collectives in the other order
-            out = np.zeros(1000 * n, np.float32)
-            if odd:
-                await comm.all_gather(out, buf32)
-                await comm.all_reduce(buf32)
-            else:
-                await comm.all_reduce(buf32)
-                await comm.all_gather(out, buf32)
-        else:
-            await comm.all_reduce(buf32)
+        await _disagree(comm, kind, odd, buf32)
         # a rank whose part of the odd collective completed (a broadcast root only sends) learns of the
         # mismatch from another rank's notice: its next collective raises
         await comm.barrier()
@@ -548,29 +554,12 @@ async def mismatch_then_exit(comm: hetccl.Communicator, kind: str) -> None:
     """Like `mismatch`, on 3+ ranks, but rank 1 (the odd one) leaves the process the moment its
     CollectiveMismatchError reaches it (os._exit: no close, no goodbye, no atexit): the notice must already be on
     the wire, so the others still report the mismatch (naming both ranks), not a lost peer."""
-    r, n = comm.rank, comm.size
+    r = comm.rank
     odd = r == 1
     buf32 = np.ones(2000 if kind == "count" and odd else 1000, np.float32)
     t0 = time.monotonic()
     try:
-        if kind == "dtype" and odd:
-            await comm.all_reduce(np.ones(1000, np.int32))
-        elif kind == "op" and odd:
-            await comm.all_reduce(buf32, op="max")
-        elif kind == "collective":
-            await (comm.broadcast(buf32, root=0) if odd else comm.all_reduce(buf32))
-        elif kind == "root":
-            await comm.broadcast(buf32, root=1 if odd else 0)
-        elif kind == "order":
-            out = np.zeros(1000 * n, np.float32)
-            if odd:
-                await comm.all_gather(out, buf32)
-                await comm.all_reduce(buf32)
-            else:
-                await comm.all_reduce(buf32)
-                await comm.all_gather(out, buf32)
-        else:
-            await comm.all_reduce(buf32)
+        await _disagree(comm, kind, odd, buf32)
         await comm.barrier()
     except hetccl.CollectiveMismatchError as exc:
         took = time.monotonic() - t0
