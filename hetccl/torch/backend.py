@@ -1,8 +1,11 @@
 """A `torch.distributed` backend ("hetccl") built on hetccl's communicator.
 
-Every op schedules a hetccl coroutine on the communicator's background event loop and returns at once a
-`Work` wrapping a `torch.futures.Future`, completed from the loop thread when the collective finishes.
-Collectives are issued in program order (the loop starts coroutines FIFO), so several may be in flight.
+Inside one GPU island, a collective on CUDA tensors is enqueued from the caller's thread on its current stream
+(the vendor CCL, as ProcessGroupNCCL does) and returns a Work that is done as far as the host is concerned
+(`_EnqueuedWork`). Every other op schedules a hetccl coroutine on the communicator's background event loop and
+returns at once a Work wrapping a `torch.futures.Future`, completed from the loop thread when the collective
+finishes (`_FutureWork`). Collectives are issued in program order (the loop starts coroutines FIFO, and the
+caller's thread enqueues only while none of the group's operations is on the loop), so several may be in flight.
 """
 
 from __future__ import annotations
