@@ -1,8 +1,9 @@
-"""The async scheduler: splits a collective into chunks, runs each chunk's chain of steps as an asyncio
-task (so the send of chunk k overlaps the reduction of chunk k-1), and enforces the deadline.
+"""What every host collective runs on: `CollCtx` (tagged send/receive on communicator ranks, the reducer),
+`run_collective` (sequence numbers in flight, the deadline watchdog, mismatch and loss handling, clean-up), and
+the helpers the algorithms split their data with (blocks, chunks, tags, fail-fast gathers).
 
-Algorithms describe *what* moves (per step, per block, per chunk); `CollCtx` gives them tagged
-send/receive on communicator ranks, and `run_collective` owns sequencing, deadlines and clean-up.
+The algorithms (`algorithms/`) decide what moves and how it is cut: the ring, for one, runs every chunk's chain
+of steps as its own task, so that the send of chunk k overlaps the reduction of chunk k-1.
 """
 
 from __future__ import annotations

@@ -589,7 +589,7 @@ def test_parse_override_empty() -> None:
 
 
 @pytest.mark.parametrize("text,algo", [("ring", RING), ("RING", RING), ("latency", LATENCY), ("tree", LATENCY),
-                                       ("rd", LATENCY), ("recursive_doubling", LATENCY), ("direct", LATENCY)])
+                                       ("rd", LATENCY), ("recursive_doubling", LATENCY)])
 def test_parse_override_global(text: str, algo: str) -> None:
     assert parse_override(text) == {op: algo for op in CHOOSABLE}
 
@@ -605,6 +605,7 @@ def test_parse_override_per_op_and_mixed() -> None:
 @pytest.mark.parametrize("text,needle", [
     ("fast", "ring or latency"), ("all_reduce=fast", "ring or latency"), ("all_reduce=", "ring or latency"),
     ("all_to_all=ring", "all_to_all"), ("gather=tree", "gather"), ("bogus=ring", "bogus"),
+    ("direct", "only algorithm of all_to_all"), ("all_reduce=direct", "not a choice"),
 ])
 def test_parse_override_errors(text: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):

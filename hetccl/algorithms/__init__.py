@@ -16,8 +16,7 @@ import math
 from ..errors import ConfigError
 
 RING, LATENCY = "ring", "latency"
-_ALIASES = {"ring": RING, "latency": LATENCY, "tree": LATENCY, "rd": LATENCY, "recursive_doubling": LATENCY,
-            "direct": LATENCY}
+_ALIASES = {"ring": RING, "latency": LATENCY, "tree": LATENCY, "rd": LATENCY, "recursive_doubling": LATENCY}
 CHOOSABLE = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
 # Effective constants, calibrated with `hetccl bench` on a 2-core host (see README): per-round cost of a ring
@@ -38,7 +37,11 @@ def parse_override(text: str | None) -> dict[str, str]:
             continue
         op, _, algo = part.rpartition("=")
         op = op.strip().lower()
-        algo = _ALIASES.get(algo.strip().lower())
+        name = algo.strip().lower()
+        algo = _ALIASES.get(name)
+        if name == "direct":  # it used to alias latency: a name that did something other than it says
+            raise ConfigError(f"HETCCL_ALGO={text!r}: direct is not a choice; it is the only algorithm of "
+                              "all_to_all, gather and scatter (algorithms/direct.py). Choose ring or latency (tree/rd)")
         if algo is None:
             raise ConfigError(f"HETCCL_ALGO={text!r}: algorithms are ring or latency (tree/rd)")
         if op:

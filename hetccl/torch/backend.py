@@ -149,10 +149,6 @@ class _Staged:
                 self.orig.copy_(self.buf)
 
 
-def _stage(ts: Sequence[torch.Tensor], writeback: bool = True) -> list[_Staged]:
-    return [_Staged(t, writeback) for t in ts]
-
-
 def _single(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
         raise UnsupportedError(f"hetccl backend: {what} takes exactly one tensor per rank (got {len(tensors)}); "

@@ -2,8 +2,9 @@
 CUDA / HIP runtimes (`cudart`).
 
 Everything here is cffi ABI mode (`ffi.cdef` + `ffi.dlopen`), so hetccl installs and imports without a
-compiler, a CUDA toolkit or ROCm; a library is only looked for when a GPU transport asks for it, and a
-missing one is a `TransportError` that lists every place searched and what to set.
+compiler, a CUDA toolkit or ROCm; a library is only looked for when device memory first needs it (a GPU
+island's vendor communicator, the driver calls of the cross-island link), and a missing one is a
+`TransportError` that lists every place searched and what to set.
 
 This package module holds the search helpers that both bindings share; the public entry points are
 `load_nccl()`, `load_rccl()` (hetccl.vendor.ccl) and `load_runtime()` (hetccl.vendor.cudart), also
