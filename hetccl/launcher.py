@@ -95,7 +95,7 @@ def _say(message: str) -> None:
 class _Output:
     """Where every rank's lines go: tagged, whole, held back while a traceback may be a dying rank's."""
 
-    def __init__(self, nprocs: int, tag: bool, hold_lines: int):
+    def __init__(self, tag: bool, hold_lines: int):
         self._tag = tag
         self._hold_lines = hold_lines
         self._lock = threading.Lock()
@@ -104,7 +104,8 @@ class _Output:
         self._held_times: dict[int, tuple[float, float]] = {}  # rank -> (first line, last line)
         self.traceback_at: dict[int, float] = {}  # rank -> when its first traceback began
         self._triggers: set[int] = set()  # ranks whose held lines contain a traceback
-        self._queue: collections.deque[tuple[float, int, str, bytes]] = collections.deque()  # (due, rank, ..)
+        # (when read, rank, "stdout" | "stderr", tagged line): written DELAY_S after it was read
+        self._queue: collections.deque[tuple[float, int, str, bytes]] = collections.deque()
         self.muted: set[int] = set()
 
     def line(self, rank: int, which: str, data: bytes) -> None:
@@ -139,7 +140,7 @@ class _Output:
                         self._held_dropped[rank] += 1
                     self._held_times[rank] = (self._held_times[rank][0], now)
                     return
-            self._queue.append((now + DELAY_S, rank, which, out))
+            self._queue.append((now, rank, which, out))
 
     def _hold(self, rank: int, now: float) -> list[bytes]:
         if rank not in self.held:
@@ -153,9 +154,9 @@ class _Output:
         now = time.monotonic()
         while True:
             with self._lock:
-                if not self._queue or not (everything or self._queue[0][0] <= now):
+                if not self._queue or not (everything or self._queue[0][0] + DELAY_S <= now):
                     return
-                _, rank, which, out = self._queue.popleft()
+                _, _, which, out = self._queue.popleft()
                 _write(which, out)  # a muted rank's lines left in the queue came before the failure
 
     def _take(self, rank: int) -> list[bytes]:
@@ -185,7 +186,7 @@ class _Output:
                 self.muted.add(rank)
                 self._take(rank)
             self._queue = collections.deque(e for e in self._queue
-                                            if e[1] not in self.muted or e[0] - DELAY_S < since)
+                                            if e[1] not in self.muted or e[0] < since)
 
     def release_stale(self, procs: list[subprocess.Popen]) -> None:
         """Show held lines that were not a dying rank's: the rank exited 0, or stays alive and quiet, or (lines
@@ -379,7 +380,7 @@ def launch(
 
     procs: list[subprocess.Popen] = []
     pumps: list[_Pump] = []
-    output = _Output(nprocs, tag_output, max(tail_lines, 1))
+    output = _Output(tag_output, max(tail_lines, 1))
     start = time.monotonic()
     try:
         for rank in range(nprocs):
