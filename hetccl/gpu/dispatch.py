@@ -211,15 +211,24 @@ async def vendor_collective(comm: Communicator, name: str, args: list[Any], kwar
     await vc.run(lambda s: call(vc, s), stream_handle(buf), _deadline(comm), what)
 
 
+def _one_gpu_island(comm: Communicator) -> Layout | None:
+    """comm's layout when it is one GPU island whose collectives the calling thread may enqueue (not blocking
+    mode), else None: what enqueue_now and lane() both require."""
+    lay = comm._gpu_layout
+    if lay is None or not lay.single or vendor_of(lay.labels[comm.rank]) is None or blocking():
+        return None
+    return lay
+
+
 def enqueue_now(comm: Communicator, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The same, enqueued from the calling thread (the torch backend's caller, not hetccl's loop thread) when
     it can be: a single GPU island whose vendor communicator for the buffer's device exists. Returns the event
     recorded after the operation, or False where the caller must go through the loop instead (first use of a
     device, several islands, blocking mode). Raises the communicator's error (a lost peer, a watchdog timeout)
     like the loop path."""
-    lay = comm._gpu_layout
-    if lay is None or not lay.single or lay.vendor_pending or name not in VENDOR_OPS + ("all_reduce",) \
-            or not all(is_device(a) for a in args) or vendor_of(lay.labels[comm.rank]) is None or blocking():
+    lay = _one_gpu_island(comm)
+    if lay is None or lay.vendor_pending or name not in VENDOR_OPS + ("all_reduce",) \
+            or not all(is_device(a) for a in args):
         return False
     buf, call, what = _vendor_op(comm, name, args, kwargs)
     vc = lay.vendor_comms.get(buf.device)
@@ -252,10 +261,8 @@ class IslandLane:
 def lane(comm: Communicator, device: int) -> IslandLane | None:
     """comm's fast lane on `device`: where enqueue_now would enqueue (one GPU island, not blocking, the vendor
     communicator of the device made), else None."""
-    lay = comm._gpu_layout
-    if lay is None or not lay.single or vendor_of(lay.labels[comm.rank]) is None or blocking():
-        return None
-    vc = lay.vendor_comms.get(device)
+    lay = _one_gpu_island(comm)
+    vc = lay.vendor_comms.get(device) if lay is not None else None
     return IslandLane(comm, vc) if vc is not None else None
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import hetccl
 from hetccl import lifecycle
-from hetccl.dtypes import parse_dtype
+from hetccl.dtypes import parse_dtype, parse_op
 from hetccl.gpu.runtime import torch_stream
 
 BACKEND_NAME = "hetccl"
@@ -43,7 +43,7 @@ _OPS = {
 
 _OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
 # the island lane's ops (hetccl's ReduceOp), by c10d's op kind; PREMUL_SUM is not here (the general path scales)
-_LANE_OPS = {kind: hetccl.ReduceOp[{"prod": "PROD"}.get(name, name.upper())] for kind, name in _OPS_BY_TYPE.items()}
+_LANE_OPS = {kind: parse_op(name) for kind, name in _OPS_BY_TYPE.items()}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a stream handle without a Stream object
 
 
