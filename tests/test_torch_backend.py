@@ -21,11 +21,8 @@ WORKERS = HERE / "torch_workers.py"
 def run_torch(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess:
     """Run `tests/torch_workers.py ARGS` on n ranks under `hetccl run`; assert every rank exits 0."""
-    env = dict(os.environ, **(env or {}))
-    env.setdefault("HETCCL_TIMEOUT", "60")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "hetccl", "run", "-n", str(n), "--", sys.executable, str(WORKERS), *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=job_env(env), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} on {n} ranks exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
@@ -39,7 +36,9 @@ def torchrun_cmd(n: int, script: Path, *args: str, launch: list[str] | None = No
     return [sys.executable, "-m", "torch.distributed.run", *launch, str(script), *args]
 
 
-def torchrun_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def job_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a test job's ranks: ours, plus `env`, this checkout first on PYTHONPATH, and a 60 s
+    HETCCL_TIMEOUT unless given."""
     env = dict(os.environ, **(env or {}))
     env.setdefault("HETCCL_TIMEOUT", "60")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -49,7 +48,7 @@ def torchrun_env(env: dict[str, str] | None = None) -> dict[str, str]:
 def run_torchrun(n: int, *args: str, timeout: float = 110.0, env: dict[str, str] | None = None,
                  script: Path = WORKERS) -> subprocess.CompletedProcess:
     """The same under torchrun (`--standalone`, its default: every GPU visible to every rank)."""
-    proc = subprocess.run(torchrun_cmd(n, script, *args), env=torchrun_env(env), cwd=ROOT, capture_output=True,
+    proc = subprocess.run(torchrun_cmd(n, script, *args), env=job_env(env), cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} on {n} ranks under torchrun exited {proc.returncode}\n"
@@ -80,7 +79,7 @@ def test_hetccl_init_under_torchrun_c10d_two_nodes(transports):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = torchrun_env({"HETCCL_TIMEOUT": "30", "HETCCL_TRANSPORTS": transports})
+    env = job_env({"HETCCL_TIMEOUT": "30", "HETCCL_TRANSPORTS": transports})
     procs = [subprocess.Popen(torchrun_cmd(4, TORCHRUN_INIT, "async", launch=[
         "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hetccl-test-{port}", "--max-restarts", "0"]),

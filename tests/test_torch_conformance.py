@@ -22,27 +22,37 @@ DRIVER = HERE / "torch_conformance.py"
 MIN_PASSED = {2: 88, 8: 19}
 
 
-def run_suite(world_size: int, tmp_path: Path, timeout: float) -> dict:
-    out = tmp_path / f"conformance-{world_size}.json"
+def suite_env(world_size: int) -> dict[str, str]:
+    """The driver's environment: ours without the harness's own variables (it sets them) or HETCCL_TIMEOUT (each
+    test sets its group's timeout), this checkout first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("BACKEND", "TEMP_DIR", "INIT_METHOD", "HETCCL_TIMEOUT")}
     env.update(WORLD_SIZE=str(world_size), PYTORCH_PRINT_REPRO_ON_FAILURE="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(DRIVER), "--json", str(out)], env=env, cwd=HERE.parent,
-                          capture_output=True, text=True, timeout=timeout)
-    assert out.exists(), f"the driver wrote no results (rc {proc.returncode})\n{proc.stdout[-3000:]}\n" \
-                         f"{proc.stderr[-6000:]}"
-    data = json.loads(out.read_text())
-    print(f"torch conformance, {world_size} ranks: {data['summary']}")
-    tests = data["tests"]
+    return env
+
+
+def judge(tests: dict[str, dict], summary: str) -> None:
+    """Fail on any test that failed or errored, and on any skip whose reason is not in SKIP_REASONS."""
     bad = {n: r for n, r in tests.items() if r["outcome"] not in ("passed", "skipped")}
     report = "\n".join(f"{n}: {r['outcome']}\n{r['detail']}" for n, r in sorted(bad.items()))
-    assert not bad, f"{len(bad)} of torch's tests failed on hetccl ({data['summary']}):\n{report}"
+    assert not bad, f"{len(bad)} of torch's tests failed on hetccl ({summary}):\n{report}"
     sys.path.insert(0, str(HERE))
     from torch_conformance import SKIP_REASONS
 
     unexpected = {n: r["detail"] for n, r in tests.items() if r["outcome"] == "skipped"
                   and not any(re.match(p, r["detail"].strip()) for p in SKIP_REASONS)}
     assert not unexpected, f"skipped for a reason not in SKIP_REASONS: {unexpected}"
+
+
+def run_suite(world_size: int, tmp_path: Path, timeout: float) -> dict:
+    out = tmp_path / f"conformance-{world_size}.json"
+    proc = subprocess.run([sys.executable, str(DRIVER), "--json", str(out)], env=suite_env(world_size), cwd=HERE.parent,
+                          capture_output=True, text=True, timeout=timeout)
+    assert out.exists(), f"the driver wrote no results (rc {proc.returncode})\n{proc.stdout[-3000:]}\n" \
+                         f"{proc.stderr[-6000:]}"
+    data = json.loads(out.read_text())
+    print(f"torch conformance, {world_size} ranks: {data['summary']}")
+    judge(data["tests"], str(data["summary"]))
     passed = data["summary"]["counts"].get("passed", 0)
     assert passed >= MIN_PASSED[world_size], f"only {passed} passed: {data['summary']}"
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from gpu_marks import GPU_ENV, NGPU, needs_1, needs_2
-from test_torch_backend import close, run_torch, run_torchrun
+from test_torch_backend import close, job_env, run_torch, run_torchrun
 
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
@@ -175,11 +175,8 @@ def test_cpu_label_with_cuda_tensors_is_refused():
 def _lightning_losses(tmp_path, backend: str, env: dict[str, str]) -> list[list[float]]:
     out = tmp_path / f"lightning-{backend}-{len(env)}"
     script = Path(__file__).resolve().parent / "lightning_train.py"
-    root = script.parent.parent
-    full = dict(os.environ, **env, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    full.setdefault("HETCCL_TIMEOUT", "60")
-    proc = subprocess.run([sys.executable, str(script), backend, str(out)], env=full, cwd=root, capture_output=True,
-                          text=True, timeout=280)
+    proc = subprocess.run([sys.executable, str(script), backend, str(out)], env=job_env(env), cwd=script.parent.parent,
+                          capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, f"Lightning on {backend} exited {proc.returncode}\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-6000:]}"
     res = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
@@ -243,14 +240,10 @@ def test_torch_distributed_suite_on_cuda(tmp_path, islands):
     """tests/torch_conformance.py --cuda: the tests that skip without CUDA, on 2 GPUs, one island and two islands
     with both GPUs visible to both ranks. Nothing may fail or error, skips need a known reason; counts printed."""
     pytest.importorskip("expecttest")
-    import re
-
-    from torch_conformance import SKIP_REASONS
+    from test_torch_conformance import judge, suite_env
 
     here = Path(__file__).resolve().parent
-    env = {k: v for k, v in os.environ.items() if k not in ("BACKEND", "TEMP_DIR", "INIT_METHOD", "HETCCL_TIMEOUT")}
-    env.update(GPU_ENV, WORLD_SIZE="2", PYTORCH_PRINT_REPRO_ON_FAILURE="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(here.parent), env.get("PYTHONPATH")])))
+    env = {**suite_env(2), **GPU_ENV}
     if islands == "two":
         env["HETCCL_CONFORMANCE_ISLANDS"] = "nvidia-0,nvidia-1"
     procs = [subprocess.Popen([sys.executable, str(here / "torch_conformance.py"), "--cuda", "--shard",
@@ -267,9 +260,5 @@ def test_torch_distributed_suite_on_cuda(tmp_path, islands):
     for r in tests.values():
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     print(f"torch's CUDA tests, {islands} island(s): {len(tests)} run: {counts}")
-    bad = {n: r for n, r in tests.items() if r["outcome"] not in ("passed", "skipped")}
-    assert not bad, "\n".join(f"{n}: {r['outcome']}\n{r['detail'][-1500:]}" for n, r in sorted(bad.items()))
-    unexpected = {n: r["detail"] for n, r in tests.items() if r["outcome"] == "skipped"
-                  and not any(re.match(p, r["detail"].strip()) for p in SKIP_REASONS)}
-    assert not unexpected, f"skipped for a reason not in SKIP_REASONS: {unexpected}"
+    judge(tests, f"CUDA tests, {islands} island(s): {counts}")
     assert counts.get("passed", 0) > 0, counts
