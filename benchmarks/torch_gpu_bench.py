@@ -165,10 +165,9 @@ def main() -> None:
 
 
 def table(results: dict[str, dict], sizes: list[int]) -> str:
-    def label(b: int) -> str:
-        return f"{b >> 20}M" if b >= 1 << 20 else f"{b >> 10}K"
+    from hetccl.bench import size_label
 
-    lines = ["| all_reduce via torch.distributed | " + " | ".join(label(s) for s in sizes) + " |",
+    lines = ["| all_reduce via torch.distributed | " + " | ".join(size_label(s) for s in sizes) + " |",
              "|---|" + "---|" * len(sizes)]
     for name, res in results.items():
         if not res["sweep"]:
