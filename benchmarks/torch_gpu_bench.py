@@ -11,8 +11,9 @@ torch.distributed alone:
   of the timed steps, each bracketed by synchronise; scaling efficiency = 2-GPU throughput / (2 x single-GPU
   throughput), the source article's metric.
 
-Variants: NCCL (default, P2P off, sockets only) and hetccl (one island; two islands over the zero-copy link,
-host staging over shm, and TCP between islands)."""
+Variants: NCCL (default, P2P off, sockets only) and hetccl (one island; two and three islands over the zero-copy
+link, host staging over shm, and TCP between islands). With fewer GPUs than ranks, ranks share the GPUs round-robin
+(hetccl's islands of one rank each can; NCCL's ranks cannot)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TWO = {"TEST_ISLANDS": "nvidia-0,nvidia-1"}
+THREE = {"TEST_ISLANDS": "nvidia-0,nvidia-1,nvidia-2"}
 VARIANTS: dict[str, tuple[str, int, dict[str, str]]] = {
     "single GPU": ("none", 1, {}),
     "nccl": ("nccl", 2, {}),
@@ -37,6 +39,9 @@ VARIANTS: dict[str, tuple[str, int, dict[str, str]]] = {
     "hetccl 2 islands, link": ("hetccl", 2, TWO),
     "hetccl 2 islands, shm": ("hetccl", 2, {**TWO, "HETCCL_PAIRLINK": "0"}),
     "hetccl 2 islands, tcp": ("hetccl", 2, {**TWO, "HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}),
+    "hetccl 3 islands, link": ("hetccl", 3, THREE),
+    "hetccl 3 islands, shm": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0"}),
+    "hetccl 3 islands, tcp": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}),
 }
 
 
@@ -46,7 +51,9 @@ def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # ranks share the GPUs round-robin when there are more ranks than GPUs (islands of one rank each may share one
+    # GPU; NCCL cannot, so the NCCL variants need a GPU per rank)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     if os.environ.get("TEST_ISLANDS"):
         os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[rank]
