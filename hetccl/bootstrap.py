@@ -428,6 +428,11 @@ class Fabric:
                     self._peer_lost(r, PeerLostError(f"rank {self.rank} lost rank {r} (reported by rank {peer}, "
                                                      "which is closing because of it)", r))
             for cid, nxt, op in comms:
+                comm = self.comms.get(cid)
+                if lost and comm is not None and any(r in comm._global_to_comm for r in lost):
+                    # that communicator broke with the loss: its collectives fail naming the dead rank, and the
+                    # peer's count of collectives there says nothing (it stopped where the loss found it)
+                    continue
                 self._departed(peer, cid, nxt & 0xFFFFFFFF, op, error)
             return
 
