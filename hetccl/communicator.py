@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, hangreport
 from .algorithms import direct, latency, ring
 from .bootstrap import Fabric
 from .dtypes import Buf, DType, ReduceOp, as_buf, parse_op
@@ -108,6 +108,8 @@ class Communicator:
         self._order = IssueOrder()  # turns of the hierarchical collectives
         self._aborted: HetcclError | None = None  # set by abort() / shrink(): every later call raises it
         fabric.comms[comm_id] = self
+        if fabric.answer_report is None:
+            fabric.answer_report = hangreport.answer
 
     # ---- helpers -------------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -488,6 +490,14 @@ class Communicator:
 
             await dispatch.build_layout(child)
         return child
+
+    def vendor_comms(self) -> list[Any]:
+        """Every vendor communicator of this communicator and its sub-communicators (none without device work)."""
+        if self._gpu_layout is None and not self._children:
+            return []
+        from .gpu import dispatch
+
+        return dispatch._vendor_comms(self)
 
     # ---- failures ------------------------------------------------------------------------------------
     def abort(self) -> None:

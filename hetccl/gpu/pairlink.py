@@ -31,7 +31,7 @@ import numpy as np
 from .. import native
 from ..dtypes import ReduceOp
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, TransportError
-from ..transports.shm import _Segment
+from ..shmseg import Segment
 from ..vendor.streamops import RawEvent
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
@@ -51,7 +51,7 @@ log = logging.getLogger("hetccl")
 
 
 class PairLink:
-    def __init__(self, seg: _Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
+    def __init__(self, seg: Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
                  lost: Any = None):
         torch = torch_mod()
         self.seg, self.me, self.peer = seg, me, 1 - me
@@ -117,13 +117,13 @@ class PairLink:
         key = f"{fab.job}/pair/{leaders.comm_id}"
         place = placement()
         if me == 0:
-            seg = _Segment(name, size, create=True, touch=place == "none")
+            seg = Segment(name, size, create=True, touch=place == "none")
             await fab.store.set(f"{key}/created", 1)
             await fab.store.get(f"{key}/mapped", timeout=timeout)
-            _Segment.unlink(name)  # both have it mapped: nothing can leak from here on
+            Segment.unlink(name)  # both have it mapped: nothing can leak from here on
         else:
             await fab.store.get(f"{key}/created", timeout=timeout)
-            seg = _Segment(name, size, create=False)
+            seg = Segment(name, size, create=False)
             await fab.store.set(f"{key}/mapped", 1)
         if place != "none":
             # each leader faults in one ring from a CPU next to its GPU (numa.py says why); both must be done
@@ -345,7 +345,7 @@ class _Mapped:
                                          "version": 3, "strides": None}
 
 
-def _stream_ops(torch: Any, seg: _Segment) -> tuple[Any, str]:
+def _stream_ops(torch: Any, seg: Segment) -> tuple[Any, str]:
     """The stream memory operations, checked on the segment's counters, or (None, why not)."""
     from ..vendor.streamops import load_streamops
 
