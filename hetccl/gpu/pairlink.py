@@ -24,17 +24,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import native
-from ..dtypes import ReduceOp
+from ..dtypes import ReduceOp, as_buf
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, TransportError
 from ..shmseg import Segment
 from ..vendor.streamops import RawEvent
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
+
+if TYPE_CHECKING:
+    from .staging import Leaders
 
 # slots per direction: 16 x 4 MiB measured best on 2 H200 (8 starves the copy engines past 32 MiB; smaller
 # chunks pay the counters' round trip more often)
@@ -108,9 +111,9 @@ class PairLink:
         return self.ev
 
     @classmethod
-    async def create(cls, leaders: Any, device: Any, slot_bytes: int, timeout: float) -> PairLink:
+    async def create(cls, leaders: Leaders, device: Any, slot_bytes: int, timeout: float) -> PairLink:
         torch = torch_mod()
-        fab = leaders._fabric
+        fab = leaders.fabric
         me = leaders.rank
         name = f"hetccl-{fab.job}-pair-{leaders.comm_id:x}"
         size = segment_bytes(slot_bytes)
@@ -145,14 +148,14 @@ class PairLink:
                                  "set HETCCL_PAIRLINK=0 to stage through hetccl's host transports instead")
         ops, why = _stream_ops(torch, seg)
         both = np.array([1 if ops is not None else 0], dtype=np.int32)
-        await leaders._all_reduce_flat(both, op="min")  # both leaders must signal the same way
+        await leaders.flat_all_reduce(as_buf(both), ReduceOp.MIN)  # both leaders must signal the same way
         if ops is not None and not both[0]:
             ops, why = None, "the other leader cannot use stream memory operations"
         if ops is None:
             log.info("hetccl: cross-island link signalled by the CPU (%s)", why)
         link = cls(seg, me, slot_bytes, device, ops, fab.lost)
         direct = np.array([1 if link.mapped is not None else 0], dtype=np.int32)
-        await leaders._all_reduce_flat(direct, op="min")  # both take the direct path, or neither
+        await leaders.flat_all_reduce(as_buf(direct), ReduceOp.MIN)  # both take the direct path, or neither
         if not direct[0]:
             link.mapped = None
         return link
