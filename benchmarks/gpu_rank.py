@@ -80,7 +80,9 @@ async def measure_async(comm, size: int, iters: int, reps: int, n: int, rank: in
         torch.cuda.synchronize()
         times[i] = (time.perf_counter() - t) / k
     await comm.synchronize()
-    await comm._all_reduce_flat(times, op="max")
+    from hetccl.dtypes import ReduceOp, as_buf
+
+    await comm.flat_all_reduce(as_buf(times), ReduceOp.MAX)  # host memory, flat whatever the islands
     return row(size, n, times, wrong)
 
 

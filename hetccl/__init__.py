@@ -66,9 +66,9 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     comm._fabric_owner = True
     lifecycle.track_async(comm, asyncio.get_running_loop())  # closed at exit if the program does not
     if comm._islands > 1:  # heterogeneous job: island and leader sub-communicators, built collectively now
-        from .gpu import dispatch
+        from . import hierarchical
 
-        await dispatch.build_layout(comm)
+        await hierarchical.build_layout(comm)
     return comm
 
 

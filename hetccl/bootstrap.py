@@ -21,13 +21,14 @@ import secrets
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import observe
-from .config import Identity, Settings
+from .config import Identity, Settings, island_label
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -57,44 +58,6 @@ def host_identity() -> str:
     except OSError:
         netns = "?"
     return f"{socket.gethostname()}/{boot[:8]}/{netns}"
-
-
-ISLAND_VENDORS = ("nvidia", "amd", "cpu")
-
-
-def vendor_devices(vendor: str) -> bool:
-    """Whether this host shows GPU device nodes of ``vendor`` (NVIDIA's driver: /dev/nvidiactl or /dev/nvidia0;
-    AMD's: /dev/kfd). A CPU label needs nothing."""
-    if vendor == "nvidia":
-        return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
-    if vendor == "amd":
-        return os.path.exists("/dev/kfd")
-    return True
-
-
-def island_label() -> str:
-    """This rank's island: HETCCL_ISLAND, else the GPU vendor whose device nodes this host has, else cpu.
-    Ranks with different labels never share a vendor CCL (how heterogeneity is emulated on one vendor).
-    A label must start with a known vendor, and a GPU vendor's label needs that vendor's devices on this host
-    (``HETCCL_ISLAND=nvidia`` on a machine without an NVIDIA GPU would fail later, inside the vendor library)."""
-    label = os.environ.get("HETCCL_ISLAND", "").strip()
-    if label:
-        vendor = label.split("-", 1)[0].split(":", 1)[0].lower()
-        if vendor not in ISLAND_VENDORS:
-            raise ConfigError(f"HETCCL_ISLAND={label!r}: an island label starts with its vendor, one of "
-                              f"{', '.join(ISLAND_VENDORS)}, optionally followed by -<name> to split a vendor into "
-                              "several islands (e.g. nvidia-0, amd-a, cpu)")
-        if not vendor_devices(vendor):
-            nodes = "/dev/kfd" if vendor == "amd" else "/dev/nvidiactl"
-            raise ConfigError(f"HETCCL_ISLAND={label!r} names a {vendor} island, but this host has no {vendor} GPU "
-                              f"({nodes} is missing); label this rank cpu (or cpu-<name>), or leave HETCCL_ISLAND "
-                              "unset to detect it")
-        return label
-    if os.path.exists("/dev/nvidiactl"):
-        return "nvidia"
-    if os.path.exists("/dev/kfd"):
-        return "amd"
-    return "cpu"
 
 
 @dataclass
@@ -134,6 +97,9 @@ class Fabric:
         # communicator id -> the mismatch that made it unusable (its ranks no longer agree on the sequence)
         self.poisoned: dict[int, CollectiveMismatchError | PeerLostError] = {}
         self._notices: set[asyncio.Task] = set()
+        # answers a peer's hang report request (hangreport.answer, set by the first communicator: the records
+        # it reports are the communicators'; the fabric below them knows nothing of them)
+        self.answer_report: Callable[[Fabric, int, bytes], None] | None = None
         # communicator id -> {job rank that closed: (its next sequence number, op code of its last collective, the
         # error it failed on or None)}
         self.departed: dict[int, dict[int, tuple[int, int, str | None]]] = {}
@@ -411,9 +377,8 @@ class Fabric:
         from .transports.base import GOODBYE_TAG, REPORT_TAG
 
         if tag == REPORT_TAG:
-            from . import hangreport
-
-            hangreport.answer(self, peer, payload)
+            if self.answer_report is not None:
+                self.answer_report(self, peer, payload)
             return
         if tag == GOODBYE_TAG:  # peer leaves: where it stopped, and the ranks whose death made it leave
             try:

@@ -245,3 +245,46 @@ class Settings:
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
         return s
+
+
+ISLAND_VENDORS = ("nvidia", "amd", "cpu")
+
+
+def vendor_devices(vendor: str) -> bool:
+    """Whether this host shows GPU device nodes of ``vendor`` (NVIDIA's driver: /dev/nvidiactl or /dev/nvidia0;
+    AMD's: /dev/kfd). A CPU label needs nothing."""
+    if vendor == "nvidia":
+        return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+    if vendor == "amd":
+        return os.path.exists("/dev/kfd")
+    return True
+
+
+def island_vendor(label: str) -> str:
+    """The vendor an island label starts with ('nvidia-a' is an NVIDIA island named a), lower case."""
+    return label.split("-", 1)[0].split(":", 1)[0].lower()
+
+
+def island_label() -> str:
+    """This rank's island: HETCCL_ISLAND, else the GPU vendor whose device nodes this host has, else cpu.
+    Ranks with different labels never share a vendor CCL (how heterogeneity is emulated on one vendor).
+    A label must start with a known vendor, and a GPU vendor's label needs that vendor's devices on this host
+    (``HETCCL_ISLAND=nvidia`` on a machine without an NVIDIA GPU would fail later, inside the vendor library)."""
+    label = os.environ.get("HETCCL_ISLAND", "").strip()
+    if label:
+        vendor = island_vendor(label)
+        if vendor not in ISLAND_VENDORS:
+            raise ConfigError(f"HETCCL_ISLAND={label!r}: an island label starts with its vendor, one of "
+                              f"{', '.join(ISLAND_VENDORS)}, optionally followed by -<name> to split a vendor into "
+                              "several islands (e.g. nvidia-0, amd-a, cpu)")
+        if not vendor_devices(vendor):
+            nodes = "/dev/kfd" if vendor == "amd" else "/dev/nvidiactl"
+            raise ConfigError(f"HETCCL_ISLAND={label!r} names a {vendor} island, but this host has no {vendor} GPU "
+                              f"({nodes} is missing); label this rank cpu (or cpu-<name>), or leave HETCCL_ISLAND "
+                              "unset to detect it")
+        return label
+    if os.path.exists("/dev/nvidiactl"):
+        return "nvidia"
+    if os.path.exists("/dev/kfd"):
+        return "amd"
+    return "cpu"

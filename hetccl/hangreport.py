@@ -27,7 +27,7 @@ from .wire import Fingerprint
 
 if TYPE_CHECKING:
     from .bootstrap import Fabric
-    from .communicator import Communicator
+    from .scheduler import GroupView
 
 log = logging.getLogger("hetccl")
 RECENT = 16  # records per communicator in a report
@@ -38,13 +38,13 @@ def records_of(fab: Fabric) -> dict[str, Any]:
     now = time.monotonic()
     comms = {}
     for cid, comm in list(fab.comms.items()):
-        if comm._closed and not comm._flight.inflight:
+        if comm.closed and not comm.flight.inflight:
             continue
-        waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer) for ep in comm._endpoints.values()
+        waiting = sorted({comm.group_rank(ep.peer) for ep in comm.peers.values()
                           for k in ep.matcher.posted if k[0] == cid})
-        comms[str(cid)] = {"rank": comm.rank, "size": comm.size, "next_seq": comm._seq,
-                           "inflight": sorted(comm._flight.inflight), "waiting_for": waiting,
-                           "recent": comm._flight.snapshot(now)[-RECENT:]}
+        comms[str(cid)] = {"rank": comm.rank, "size": comm.size, "next_seq": comm.next_seq,
+                           "inflight": sorted(comm.flight.inflight), "waiting_for": waiting,
+                           "recent": comm.flight.snapshot(now)[-RECENT:]}
     return {"rank": fab.rank, "host": socket.gethostname(), "pid": os.getpid(), "comms": comms,
             "lost": sorted(fab.lost)}
 
@@ -73,18 +73,18 @@ def answer(fab: Fabric, peer: int, payload: bytes) -> None:
     task.add_done_callback(fab._notices.discard)
 
 
-async def gather(comm: Communicator, fp: Fingerprint, waited: float) -> dict[str, Any]:
+async def gather(comm: GroupView, fp: Fingerprint, waited: float) -> dict[str, Any]:
     """Collect every rank's records for the timed-out collective fp (bounded), analyse them, log the report,
     write HETCCL_DUMP_DIR/…json; returns the report."""
-    fab = comm._fabric
+    fab = comm.fabric
     key = f"{fab.job}/hang/{fp.comm:x}/{fp.seq}/{secrets.token_hex(4)}"
-    others = [g for g in comm._members if g != fab.rank]
+    others = [g for g in comm.members if g != fab.rank]
     import msgpack
 
     fab.tell(others, fp, REPORT_TAG, msgpack.packb({"key": key}))
     answers: dict[int, Any] = {fab.rank: records_of(fab)}
     # bounded: the report must not hold the error back for long (at most a quarter of the deadline)
-    wait = min(float(os.environ.get("HETCCL_REPORT_WAIT", "5")), max(1.0, comm._settings.timeout / 4))
+    wait = min(float(os.environ.get("HETCCL_REPORT_WAIT", "5")), max(1.0, comm.settings.timeout / 4))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     if fab.store is not None and others:
@@ -117,10 +117,10 @@ async def gather(comm: Communicator, fp: Fingerprint, waited: float) -> dict[str
     return report
 
 
-def analyse(comm: Communicator, fp: Fingerprint, waited: float, answers: dict[int, Any]) -> dict[str, Any]:
+def analyse(comm: GroupView, fp: Fingerprint, waited: float, answers: dict[int, Any]) -> dict[str, Any]:
     cid = str(fp.comm)
     ranks = []
-    for r, g in enumerate(comm._members):
+    for r, g in enumerate(comm.members):
         a = answers.get(g)
         entry: dict[str, Any] = {"rank": r, "job_rank": g}
         if a is None:

@@ -39,7 +39,7 @@ def collect() -> dict[str, object]:
     for name, reason in registry.available().items():
         transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
     out["transports"] = transports
-    from .bootstrap import island_label
+    from .config import island_label
     from .errors import ConfigError
 
     try:

@@ -123,12 +123,8 @@ async def close_loop(loop: asyncio.AbstractEventLoop, wait: float = EXIT_WAIT_S)
 
 
 def _vendor_comms(comm: Any) -> list[Any]:
-    if "hetccl.gpu.dispatch" not in sys.modules:  # no device collective ever ran: nothing to stop
-        return []
-    from .gpu import dispatch
-
     with contextlib.suppress(Exception):
-        return dispatch._vendor_comms(comm)
+        return comm.vendor_comms()
     return []
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -19,11 +19,50 @@ from . import native
 from . import observe as _obs
 from .dtypes import Buf, DType, ReduceOp
 from .errors import CollectiveMismatchError, CollectiveTimeout, CommAbortedError, HetcclError
-from .flight import DONE, FAILED
+from .flight import DONE, FAILED, FlightRecorder
 from .wire import Fingerprint
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
+    from .bootstrap import Fabric
+    from .config import Settings
+    from .transports.base import Endpoint
+
+
+class GroupView(Protocol):
+    """What the scheduler (and the hang report) need of a group of ranks; group.Group provides it."""
+
+    comm_id: int
+    rank: int  # this rank, in group ranks
+    size: int
+
+    @property
+    def fabric(self) -> Fabric: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def members(self) -> list[int]: ...  # group rank -> job rank
+
+    @property
+    def peers(self) -> dict[int, Endpoint]: ...  # group rank -> endpoint (every rank but this one)
+
+    @property
+    def watchdog(self) -> Watchdog: ...
+
+    @property
+    def flight(self) -> FlightRecorder: ...
+
+    @property
+    def aborted(self) -> HetcclError | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def next_seq(self) -> int: ...  # the sequence number of the next collective
+
+    def group_rank(self, job_rank: int) -> int: ...
 
 
 def block_ranges(count: int, n: int) -> list[tuple[int, int]]:
@@ -73,12 +112,12 @@ class CollCtx:
 
     __slots__ = ("comm", "fp", "rank", "size", "eps", "dtype", "op", "reducer", "chunk_bytes")
 
-    def __init__(self, comm: Communicator, fp: Fingerprint, dtype: DType, op: ReduceOp | None):
+    def __init__(self, comm: GroupView, fp: Fingerprint, dtype: DType, op: ReduceOp | None):
         self.comm, self.fp = comm, fp
         self.rank, self.size = comm.rank, comm.size
-        self.eps = comm._endpoints
+        self.eps = comm.peers
         self.dtype, self.op = dtype, op
-        self.chunk_bytes = comm._settings.chunk_bytes
+        self.chunk_bytes = comm.settings.chunk_bytes
         self.reducer = _reducer(dtype, op) if op is not None else None
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
@@ -180,24 +219,24 @@ class Watchdog:
         self._handle = loop.call_later(period, self._tick, loop, period) if self.inflight else None
 
 
-async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[], Coroutine[Any, Any, Any]],
+async def run_collective(comm: GroupView, fp: Fingerprint, body: Callable[[], Coroutine[Any, Any, Any]],
                          peers: Sequence[int] | None = None) -> Any:
     """Run one collective under the communicator's deadline; on failure, withdraw its receives from `peers`
     (communicator ranks; default every peer). Point-to-point numbers its messages per peer, so a failed receive
     from one peer must not withdraw the same sequence number from the others."""
-    timeout = comm._settings.timeout
-    if comm._aborted is not None:
-        raise comm._aborted
-    poisoned = comm._fabric.poisoned.get(fp.comm)
+    timeout = comm.settings.timeout
+    if comm.aborted is not None:
+        raise comm.aborted
+    poisoned = comm.fabric.poisoned.get(fp.comm)
     if poisoned is not None:
-        await comm._fabric.flush_notices()  # a notice of ours may still be queued: on the wire before we raise
+        await comm.fabric.flush_notices()  # a notice of ours may still be queued: on the wire before we raise
         raise CollectiveMismatchError(f"{poisoned} (this communicator is unusable after it; create a new one)")
-    if comm._fabric.departed:
-        comm._fabric.check_departed(comm, fp)  # a member closed before this collective: it never comes
-    key, rec = comm._watchdog.enter(timeout)
+    if comm.fabric.departed:
+        comm.fabric.check_departed(comm, fp)  # a member closed before this collective: it never comes
+    key, rec = comm.watchdog.enter(timeout)
     if _obs.ON:
         body = _obs.collective(comm, fp, body, rec)
-    flight = comm._flight.begin(fp)
+    flight = comm.flight.begin(fp)
     state = FAILED
     try:
         result = await body()
@@ -213,11 +252,11 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         if task is not None:
             task.uncancel()
         if rec[2] == ABORTED:
-            exc = comm._aborted or CommAbortedError(f"rank {comm.rank}: {fp.describe()} ended by comm.abort()")
+            exc = comm.aborted or CommAbortedError(f"rank {comm.rank}: {fp.describe()} ended by comm.abort()")
             _withdraw(comm, fp, peers, exc)
             raise exc from None
-        waiting = sorted({comm._global_to_comm.get(ep.peer, ep.peer)
-                          for ep in comm._endpoints.values()
+        waiting = sorted({comm.group_rank(ep.peer)
+                          for ep in comm.peers.values()
                           for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})
         summary = ""
         if fp.comm == comm.comm_id and os.environ.get("HETCCL_HANG_REPORT", "1") != "0":
@@ -238,31 +277,31 @@ async def run_collective(comm: Communicator, fp: Fingerprint, body: Callable[[],
         raise exc from None
     except CollectiveMismatchError as exc:
         _withdraw(comm, fp, peers, exc)
-        if comm._fabric.poisoned.get(fp.comm) is not exc:  # found here, not reported by another rank
-            comm._fabric.report_mismatch(fp, exc, [g for g in comm._members if g != comm._fabric.rank])
+        if comm.fabric.poisoned.get(fp.comm) is not exc:  # found here, not reported by another rank
+            comm.fabric.report_mismatch(fp, exc, [g for g in comm.members if g != comm.fabric.rank])
         # the program may exit the moment it sees this error (uncaught): the other ranks must still learn of
         # the mismatch, not just of a lost peer, so the notices go on the wire first (bounded)
-        await comm._fabric.flush_notices()
+        await comm.fabric.flush_notices()
         raise
     except BaseException as exc:
         _withdraw(comm, fp, peers, exc if isinstance(exc, Exception) else HetcclError("interrupted"))
         raise
     finally:
-        comm._watchdog.exit(key)
-        comm._flight.end(flight, state)
+        comm.watchdog.exit(key)
+        comm.flight.end(flight, state)
 
 
-def _check_leftovers(comm: Communicator, fp: Fingerprint) -> None:
+def _check_leftovers(comm: GroupView, fp: Fingerprint) -> None:
     """Data kept for this collective that it never took: the sender ran a different collective here."""
-    for peer, ep in comm._endpoints.items():
+    for peer, ep in comm.peers.items():
         early = ep.matcher.early
         if early:
             for (c, s, _tag), (got, _data) in early.items():
                 if c == fp.comm and s == fp.seq:
-                    raise comm._fabric.mismatch_found(comm, fp, got, comm._members[peer])
+                    raise comm.fabric.mismatch_found(comm, fp, got, comm.members[peer])
 
 
-def _withdraw(comm: Communicator, fp: Fingerprint, peers: Sequence[int] | None, exc: BaseException) -> None:
-    for p, ep in comm._endpoints.items():
+def _withdraw(comm: GroupView, fp: Fingerprint, peers: Sequence[int] | None, exc: BaseException) -> None:
+    for p, ep in comm.peers.items():
         if peers is None or p in peers:
             ep.cancel(fp.comm, fp.seq, exc)

@@ -669,25 +669,25 @@ def test_socket_ifname_picks_the_interface_address() -> None:
 
 @pytest.mark.parametrize("label", ["nvidia", "nvidia-0", "amd-a", "cpu", "CPU-b", "nvidia:1"])
 def test_island_label_with_a_vendor_prefix(monkeypatch, label):
-    from hetccl import bootstrap
+    from hetccl import config
 
-    monkeypatch.setattr(bootstrap, "vendor_devices", lambda vendor: True)  # as on a host with both GPU kinds
+    monkeypatch.setattr(config, "vendor_devices", lambda vendor: True)  # as on a host with both GPU kinds
     monkeypatch.setenv("HETCCL_ISLAND", label)
-    assert bootstrap.island_label() == label
+    assert config.island_label() == label
 
 
 @pytest.mark.parametrize("label", ["nvidia", "nvidia-0", "amd-a", "AMD"])
 def test_gpu_island_label_without_that_gpu_is_refused(monkeypatch, label):
     """`nvidia` on a machine with no NVIDIA GPU used to be accepted, and failed later inside the vendor library."""
-    from hetccl import bootstrap
+    from hetccl import config
 
     vendor = label.split("-")[0].lower()
-    monkeypatch.setattr(bootstrap, "vendor_devices", lambda v: v != vendor)
+    monkeypatch.setattr(config, "vendor_devices", lambda v: v != vendor)
     monkeypatch.setenv("HETCCL_ISLAND", label)
     with pytest.raises(ConfigError, match=f"names a {vendor} island, but this host has no {vendor} GPU.*cpu"):
-        bootstrap.island_label()
+        config.island_label()
     monkeypatch.setenv("HETCCL_ISLAND", "cpu-b")  # a CPU label is fine anywhere
-    assert bootstrap.island_label() == "cpu-b"
+    assert config.island_label() == "cpu-b"
 
 
 @pytest.mark.timeout(30)
@@ -703,7 +703,7 @@ def test_init_refuses_a_bad_island_label_before_the_rendezvous(monkeypatch):
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"), reason="this host has an "
                     "NVIDIA GPU")
 def test_nvidia_island_refused_on_this_gpu_less_host(monkeypatch):
-    from hetccl.bootstrap import island_label
+    from hetccl.config import island_label
 
     monkeypatch.setenv("HETCCL_ISLAND", "nvidia")
     with pytest.raises(ConfigError, match="no nvidia GPU"):
@@ -713,7 +713,7 @@ def test_nvidia_island_refused_on_this_gpu_less_host(monkeypatch):
 @pytest.mark.parametrize("label", ["island0", "banana", "gpu-0", "nv-a"])
 def test_island_label_without_a_vendor_is_refused(monkeypatch, label):
     """A label that names no vendor used to make a GPU rank a CPU island silently (2.5 GB/s host staging)."""
-    from hetccl.bootstrap import island_label
+    from hetccl.config import island_label
 
     monkeypatch.setenv("HETCCL_ISLAND", label)
     with pytest.raises(ConfigError, match=f"HETCCL_ISLAND='{label}'.*starts with its vendor"):

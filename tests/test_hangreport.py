@@ -18,7 +18,7 @@ def _rec(seq: int, state: str, took: float | None) -> dict:
 
 
 def test_states_of_each_rank() -> None:
-    comm = SimpleNamespace(_members=[0, 1, 2, 3], rank=0)
+    comm = SimpleNamespace(members=[0, 1, 2, 3], rank=0)
     fp = Fingerprint(1, 1, CollOp.ALL_REDUCE, 6, 10)
     answers = {
         0: _answer(2, [1], [_rec(0, "done", 0.1), _rec(1, "running", None)]),

@@ -24,17 +24,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import native
-from ..dtypes import ReduceOp
+from ..dtypes import ReduceOp, as_buf
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, TransportError
-from ..transports.shm import _Segment
+from ..shmseg import Segment
 from ..vendor.streamops import RawEvent
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
+
+if TYPE_CHECKING:
+    from .staging import Leaders
 
 # slots per direction: 16 x 4 MiB measured best on 2 H200 (8 starves the copy engines past 32 MiB; smaller
 # chunks pay the counters' round trip more often)
@@ -51,7 +54,7 @@ log = logging.getLogger("hetccl")
 
 
 class PairLink:
-    def __init__(self, seg: _Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
+    def __init__(self, seg: Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
                  lost: Any = None):
         torch = torch_mod()
         self.seg, self.me, self.peer = seg, me, 1 - me
@@ -108,22 +111,22 @@ class PairLink:
         return self.ev
 
     @classmethod
-    async def create(cls, leaders: Any, device: Any, slot_bytes: int, timeout: float) -> PairLink:
+    async def create(cls, leaders: Leaders, device: Any, slot_bytes: int, timeout: float) -> PairLink:
         torch = torch_mod()
-        fab = leaders._fabric
+        fab = leaders.fabric
         me = leaders.rank
         name = f"hetccl-{fab.job}-pair-{leaders.comm_id:x}"
         size = segment_bytes(slot_bytes)
         key = f"{fab.job}/pair/{leaders.comm_id}"
         place = placement()
         if me == 0:
-            seg = _Segment(name, size, create=True, touch=place == "none")
+            seg = Segment(name, size, create=True, touch=place == "none")
             await fab.store.set(f"{key}/created", 1)
             await fab.store.get(f"{key}/mapped", timeout=timeout)
-            _Segment.unlink(name)  # both have it mapped: nothing can leak from here on
+            Segment.unlink(name)  # both have it mapped: nothing can leak from here on
         else:
             await fab.store.get(f"{key}/created", timeout=timeout)
-            seg = _Segment(name, size, create=False)
+            seg = Segment(name, size, create=False)
             await fab.store.set(f"{key}/mapped", 1)
         if place != "none":
             # each leader faults in one ring from a CPU next to its GPU (numa.py says why); both must be done
@@ -145,14 +148,14 @@ class PairLink:
                                  "set HETCCL_PAIRLINK=0 to stage through hetccl's host transports instead")
         ops, why = _stream_ops(torch, seg)
         both = np.array([1 if ops is not None else 0], dtype=np.int32)
-        await leaders._all_reduce_flat(both, op="min")  # both leaders must signal the same way
+        await leaders.flat_all_reduce(as_buf(both), ReduceOp.MIN)  # both leaders must signal the same way
         if ops is not None and not both[0]:
             ops, why = None, "the other leader cannot use stream memory operations"
         if ops is None:
             log.info("hetccl: cross-island link signalled by the CPU (%s)", why)
         link = cls(seg, me, slot_bytes, device, ops, fab.lost)
         direct = np.array([1 if link.mapped is not None else 0], dtype=np.int32)
-        await leaders._all_reduce_flat(direct, op="min")  # both take the direct path, or neither
+        await leaders.flat_all_reduce(as_buf(direct), ReduceOp.MIN)  # both take the direct path, or neither
         if not direct[0]:
             link.mapped = None
         return link
@@ -345,7 +348,7 @@ class _Mapped:
                                          "version": 3, "strides": None}
 
 
-def _stream_ops(torch: Any, seg: _Segment) -> tuple[Any, str]:
+def _stream_ops(torch: Any, seg: Segment) -> tuple[Any, str]:
     """The stream memory operations, checked on the segment's counters, or (None, why not)."""
     from ..vendor.streamops import load_streamops
 

@@ -185,7 +185,7 @@ def rank_ranges(ranks: list[int]) -> list[str]:
 def init_summary(fab: Fabric) -> str:
     """The INFO line of one rank: where it is, how it reaches each peer, what the cost model picks."""
     from .. import algorithms
-    from ..bootstrap import island_label
+    from ..config import island_label
 
     rank, size = fab.rank, fab.size
     rec = fab.records[rank] if fab.records else {}

@@ -310,7 +310,7 @@ class HetcclBackend(dist.ProcessGroup):
         # any is, device collectives go through the loop too, so that every rank enqueues them in issue order
         self._submitted = 0
         self._finished = 0
-        self._lanes: dict[int, Any] = {}  # device index -> dispatch.IslandLane (single GPU island)
+        self._lanes: dict[int, Any] = {}  # device index -> group.IslandLane (single GPU island)
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -361,16 +361,12 @@ class HetcclBackend(dist.ProcessGroup):
         if args[0].device.type != "cuda" or self._submitted != self._finished or not _CUDA_DIRECT \
                 or _raw_stream is None:
             return None
-        from ..gpu.dispatch import enqueue_now
-
-        event = enqueue_now(self._acomm, name, args, kwargs)
+        event = self._acomm.enqueue_now(name, args, kwargs)
         if not event:
             return None
         dev = args[0].get_device()
         if dev not in self._lanes:
-            from ..gpu.dispatch import lane
-
-            self._lanes[dev] = lane(self._acomm, dev)
+            self._lanes[dev] = self._acomm.lane(dev)
         return _EnqueuedWork(result, dev, _raw_stream(dev), event, self._lanes[dev].vc)
 
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import struct
@@ -35,7 +34,8 @@ import numpy as np
 
 from .. import native
 from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, TransportError
+from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
+from ..shmseg import Segment
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import CONTROL_TAGS, DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 
@@ -84,33 +84,6 @@ class _Ring:
         """(header offset, payload area offset) of slot index (mod slots)."""
         s = self.base + RING_HEADER + (index % self.slots) * self.stride
         return s, s + PAGE
-
-
-class _Segment:
-    def __init__(self, name: str, size: int, create: bool, touch: bool = True):
-        self.name, self.size = name, size
-        path = "/dev/shm/" + name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise TransportError(f"shared segment {path} has size {os.fstat(fd).st_size}, expected {size}; "
-                                     "do all local ranks use the same HETCCL_SHM_* settings?")
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.mem = np.frombuffer(self.mm, dtype=np.uint8)
-        self.cbase = ffi.cast("char *", ffi.from_buffer("char[]", self.mem, True))
-        if create and touch:
-            self.mem[:] = 0  # fault the pages in now, not on the hot path (touch=False: the caller places them)
-        self.waiting = ffi.cast("uint64_t *", self.cbase)
-
-    @staticmethod
-    def unlink(name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink("/dev/shm/" + name)
 
 
 class _ShmRecv:
@@ -255,11 +228,11 @@ class ShmTransport(Transport):
         super().__init__(ctx)
         self.loop = asyncio.get_event_loop()
         self.slots, self.slot_bytes = _num_slots(), _slot_bytes()
-        self.seg: _Segment | None = None
+        self.seg: Segment | None = None
         self.seg_name = ""
         self.in_rings: dict[int, _Ring] = {}
         self.eps: dict[int, ShmEndpoint] = {}
-        self.peer_segs: dict[int, _Segment] = {}
+        self.peer_segs: dict[int, Segment] = {}
         self.peer_mem: dict[int, np.ndarray] = {}
         self.peer_cbase: dict[int, Any] = {}
         self._listener: socket.socket | None = None
@@ -351,7 +324,7 @@ class ShmTransport(Transport):
         ring_size = _Ring.size(self.slots, self.slot_bytes)
         size = SEG_HEADER + len(order) * ring_size
         self.seg_name = f"hetccl-{ctx.job}-{ctx.rank}"
-        self.seg = _Segment(self.seg_name, size, create=True)
+        self.seg = Segment(self.seg_name, size, create=True)
         for i, p in enumerate(order):
             self.in_rings[p] = _Ring(self.seg.mem, self.seg.cbase, SEG_HEADER + i * ring_size, self.slots,
                                      self.slot_bytes, p)
@@ -361,12 +334,12 @@ class ShmTransport(Transport):
             await store.get(f"{key}/created/{p}")
             # my outbound ring to p lives in p's segment, at my index among p's peers
             their_peers = sorted(set(local) - {p})
-            seg = _Segment(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size, create=False)
+            seg = Segment(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size, create=False)
             self.peer_segs[p], self.peer_mem[p], self.peer_cbase[p] = seg, seg.mem, seg.cbase
         await store.set(f"{key}/mapped/{ctx.rank}", 1)
         for p in order:
             await store.get(f"{key}/mapped/{p}")
-        _Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
+        Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
         bells = await asyncio.gather(*(self._doorbell(p, peers[p]) for p in order))
         for p, bell in zip(order, bells, strict=True):
             their_peers = sorted(set(local) - {p})
@@ -529,4 +502,4 @@ class ShmTransport(Transport):
             await ep.close()
         self.eps.clear()
         if self.seg_name:
-            _Segment.unlink(self.seg_name)
+            Segment.unlink(self.seg_name)

@@ -409,17 +409,37 @@ def cuda_dmabuf_fd(ptr: int, nbytes: int) -> tuple[int, int, int]:
     return fd.value, ptr - base, length
 
 
+def device_range(buf: Any) -> tuple[int, int, str] | None:
+    """(address, bytes, vendor) of device memory, None for host memory. Transports sit below hetccl's GPU layer,
+    so device memory is told by its protocols alone: an object with ptr, nbytes and vendor (gpu.buffers.DeviceBuf),
+    a torch GPU tensor, or __cuda_array_interface__ (CuPy, Numba). TransportError for unusable device memory."""
+    if all(hasattr(buf, a) for a in ("ptr", "nbytes", "vendor")):
+        return int(buf.ptr), int(buf.nbytes), str(buf.vendor)
+    if type(buf).__module__.startswith("torch"):
+        if buf.device.type == "cpu":
+            return None
+        if not buf.is_contiguous():
+            raise TransportError("GPUDirect RDMA: the tensor is not contiguous")
+        import torch
+
+        return buf.data_ptr(), buf.numel() * buf.element_size(), "hip" if torch.version.hip else "cuda"
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    if cai.get("strides") is not None:
+        raise TransportError("GPUDirect RDMA: strided device arrays are not registered")
+    return int(cai["data"][0]), int(np.prod(cai.get("shape", ()))) * np.dtype(cai["typestr"]).itemsize, "cuda"
+
+
 def register_device_buffer(pd: Any, buf: Any) -> Any:
     """Register GPU memory for RDMA through dma-buf (`ibv_reg_dmabuf_mr`). TransportError when impossible."""
-    from ..gpu.buffers import as_device_buf
-
-    try:
-        dbuf = as_device_buf(buf)
-    except ConfigError as exc:
-        raise TransportError(f"GPUDirect RDMA: {exc}") from None
-    if dbuf.vendor != "cuda":
-        raise TransportError(f"GPUDirect RDMA: dma-buf export of {dbuf.vendor} memory is not implemented")
-    fd, offset, length = cuda_dmabuf_fd(dbuf.ptr, dbuf.nbytes)
+    found = device_range(buf)
+    if found is None:
+        raise TransportError("GPUDirect RDMA: the buffer is not device memory")
+    ptr, nbytes, vendor = found
+    if vendor != "cuda":
+        raise TransportError(f"GPUDirect RDMA: dma-buf export of {vendor} memory is not implemented")
+    fd, offset, length = cuda_dmabuf_fd(ptr, nbytes)
     try:
         pv = pyverbs()
         access = pv.enums.IBV_ACCESS_LOCAL_WRITE | pv.enums.IBV_ACCESS_REMOTE_WRITE
@@ -1065,14 +1085,12 @@ class VerbsTransport(Transport):
     def register_memory(self, buf: Any) -> Any:
         """Register a buffer for RDMA. Host memory: through the registration cache. Device memory: through
         dma-buf (GPUDirect RDMA); where impossible, say so once and return None (device data is staged)."""
-        from ..gpu.buffers import is_device
-
         if self.dev is None:
             return None
-        if not is_device(buf):
-            assert self.regcache is not None
-            return self.regcache.get(np.asarray(buf).reshape(-1).view(np.uint8))
         try:
+            if device_range(buf) is None:
+                assert self.regcache is not None
+                return self.regcache.get(np.asarray(buf).reshape(-1).view(np.uint8))
             return register_device_buffer(self.dev.pd, buf)
         except TransportError as exc:
             if not self._gpu_warned:

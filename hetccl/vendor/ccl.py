@@ -29,7 +29,7 @@ from typing import Any
 
 from ..dtypes import DType, ReduceOp
 from ..errors import ConfigError, TransportError
-from . import (
+from .search import (
     Candidate,
     Tried,
     Unusable,

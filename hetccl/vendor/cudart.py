@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from ..errors import ConfigError, TransportError
-from . import (
+from .search import (
     Candidate,
     Tried,
     Unusable,

@@ -1,0 +1,184 @@
+"""Device data through host memory: what a collective of device buffers runs where no vendor CCL and no
+zero-copy link joins the ranks.
+
+- `small_all_reduce`: one copy to pinned host memory, the leaders' host all_reduce, one copy back;
+- `staged_all_reduce`: the same pipelined by chunk (device-to-host copy of chunk k+1 overlapping the exchange
+  of chunk k and the host-to-device copy of chunk k-1), the reduction on the host or, where every leader holds
+  device memory, on the devices;
+- `staged`: any collective on whole host copies of its device buffers.
+
+The host collectives run on a group given by the caller (`Leaders`): this module knows nothing of
+communicators or of the hierarchy above it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from ..config import parse_size
+from ..dtypes import Buf, ReduceOp, as_buf
+from ..errors import CollectiveTimeout
+from .buffers import DeviceBuf
+from .runtime import as_tensor, copy_streams, lease, reduce_inplace, stream_of, torch_mod, use_device, wait_event
+
+# one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
+STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
+# at most this many bytes, where the GPU-signalled link is not used, the leaders' all_reduce goes through host
+# memory in one piece (a copy each way and hetccl's host all_reduce cost less than a pipeline's per-chunk set-up)
+SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
+# small messages take the zero-copy link too when it is GPU-signalled (0: the host round trip below SMALL_BYTES)
+PAIRLINK_SMALL = os.environ.get("HETCCL_PAIRLINK_SMALL", "1") != "0"
+
+
+class Leaders(Protocol):
+    """The host collectives of a group of ranks (group.Group): what staging and the link run between ranks."""
+
+    rank: int
+    size: int
+    comm_id: int
+
+    @property
+    def fabric(self) -> Any: ...
+
+    async def flat_all_reduce(self, buf: Buf, op: ReduceOp) -> None: ...
+
+    async def flat_all_gather(self, out: Buf, inp: Buf) -> None: ...
+
+
+async def small_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+    """all_reduce of a small device tensor among island leaders: one copy to pinned host memory, hetccl's host
+    all_reduce, one copy back, all ordered on the caller's stream."""
+    torch = torch_mod()
+    raw = t.view(torch.uint8)
+    n = raw.numel()
+    with lease("pinned", t.device, max(SMALL_BYTES, n), 1) as pinned:
+        host = pinned[0][:n]
+        with torch.cuda.stream(stream):
+            host.copy_(raw, non_blocking=True)
+            out = torch.cuda.Event()
+            out.record(stream)
+        await wait_event(out, deadline, "device-to-host copy")
+        await leaders.flat_all_reduce(as_buf(host.view(t.dtype)), op)
+        with torch.cuda.stream(stream):
+            raw.copy_(host, non_blocking=True)
+            back = torch.cuda.Event()
+            back.record(stream)
+        await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
+
+
+async def staged_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,
+                            on_device: bool = False) -> None:
+    """all_reduce of device tensor t among island leaders through pinned host memory, pipelined by chunk.
+
+    on_device=False: each chunk goes through hetccl's host all_reduce (host reduction). on_device=True (every
+    leader holds device memory): each chunk is all-gathered through host memory and the leaders' blocks are
+    reduced on the device, in rank order, so that every leader computes bit-identical results. The chunks'
+    host collectives start in chunk order on every leader, whichever device copy lands first."""
+    torch = torch_mod()
+    raw = t.view(torch.uint8)
+    n = raw.numel()
+    if n == 0:
+        await leaders.flat_all_reduce(as_buf(t.cpu()), op)
+        return
+    isz = t.element_size()
+    chunk = (STAGE_CHUNK // isz) * isz
+    k = leaders.size
+    slots = 3
+    d2h, h2d = copy_streams(t.device)
+    with contextlib.ExitStack() as held:
+        pinned = held.enter_context(lease("pinned", t.device, chunk, slots))
+        if on_device:
+            gathered = held.enter_context(lease("pinned", t.device, k * chunk, slots))  # k blocks per slot
+            scratch = held.enter_context(lease("device", t.device, k * chunk, slots))
+        d2h.wait_stream(stream)  # ordered after the work already queued on the caller's stream
+        free = [asyncio.Event() for _ in range(slots)]
+        for ev in free:
+            ev.set()
+        tasks: list[asyncio.Future] = []
+        started: asyncio.Future | None = None  # done once the previous chunk's host collective has begun
+
+        async def exchange(off: int, size: int, slot: int, copied: Any, prev: asyncio.Future | None,
+                           mine: asyncio.Future) -> None:
+            try:
+                await wait_event(copied, deadline, "device-to-host staging")
+                if prev is not None:
+                    await prev
+                host = pinned[slot][:size]
+                if on_device:
+                    blocks = gathered[slot][:k * size]
+                    coll = asyncio.ensure_future(leaders.flat_all_gather(as_buf(blocks.view(t.dtype)),
+                                                                         as_buf(host.view(t.dtype))))
+                else:  # hetccl host path: shm / tcp / verbs
+                    coll = asyncio.ensure_future(leaders.flat_all_reduce(as_buf(host.view(t.dtype)), op))
+                mine.set_result(None)  # coll takes its sequence number before the next chunk's task resumes
+                await coll
+                with torch.cuda.stream(h2d):
+                    dst = raw[off: off + size]
+                    if on_device:
+                        dev = scratch[slot][:k * size]
+                        dev.copy_(blocks, non_blocking=True)
+                        dst.copy_(dev[:size], non_blocking=True)
+                        for b in range(1, k):
+                            reduce_inplace(dst.view(t.dtype), dev[b * size:(b + 1) * size].view(t.dtype), op)
+                    else:
+                        dst.copy_(host, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
+                await wait_event(done, deadline, "host-to-device staging")
+            finally:
+                if not mine.done():
+                    mine.cancel()
+                free[slot].set()  # also on failure: the loop below then sees the task's error at once
+
+        loop = asyncio.get_running_loop()
+        try:
+            for i, off in enumerate(range(0, n, chunk)):
+                size = min(chunk, n - off)
+                slot = i % slots
+                for task in tasks:  # a failed exchange frees no slot: surface its error instead of waiting
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                try:
+                    await asyncio.wait_for(free[slot].wait(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise CollectiveTimeout("cross-island staging: a pinned buffer was not released before the "
+                                            "deadline") from None
+                free[slot].clear()
+                with torch.cuda.stream(d2h):
+                    pinned[slot][:size].copy_(raw[off: off + size], non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(d2h)
+                mine = loop.create_future()
+                tasks.append(asyncio.ensure_future(exchange(off, size, slot, copied, started, mine)))
+                started = mine
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+    stream.wait_stream(h2d)  # work queued after the collective sees the result
+
+
+async def staged(bufs: list[DeviceBuf | Buf | None], outputs: list[int],
+                 on_host: Callable[[list[Buf | None]], Awaitable[None]]) -> None:
+    """Run a host collective (on_host) on host copies of the device buffers among `bufs` and copy the outputs
+    (indices into bufs) back, ordered on the caller's stream (copies between pageable host memory and the
+    device complete before copy_ returns)."""
+    torch = torch_mod()
+    host: list[Any] = []
+    for b in bufs:
+        if isinstance(b, DeviceBuf):
+            use_device(b.device)
+            with torch.cuda.stream(stream_of(b)):
+                host.append(as_tensor(b).to("cpu").contiguous())
+        else:
+            host.append(b)
+    await on_host([as_buf(h) if h is not None and not isinstance(h, Buf) else h for h in host])
+    for i in outputs:
+        b = bufs[i]
+        if isinstance(b, DeviceBuf):
+            with torch.cuda.stream(stream_of(b)):
+                as_tensor(b).copy_(host[i].reshape(-1))

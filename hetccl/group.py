@@ -1,0 +1,554 @@
+"""The flat engine: one group of ranks running a collective without any hierarchy.
+
+A `Group` numbers its collectives (one fingerprint per collective, one op code each), runs hetccl's host
+algorithms (ring, latency, direct) over its ranks' transport endpoints through the scheduler, numbers
+point-to-point messages per peer and tag, and runs device collectives in the vendor CCL when the group is one
+GPU island (elsewhere device data is staged through host memory). Its methods take buffers the facade
+(communicator.py) has already checked: `Buf` for host memory, `DeviceBuf` for device memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+
+from . import algorithms, hangreport
+from .algorithms import direct, latency, ring
+from .bootstrap import Fabric
+from .config import Settings
+from .dtypes import Buf, DType, ReduceOp, as_buf
+from .errors import CommAbortedError, ConfigError, HetcclError
+from .flight import FlightRecorder
+from .gpu import dispatch, staging
+from .gpu.buffers import DeviceBuf
+from .gpu.runtime import stream_handle, use_device
+from .gpu.vendor_comm import VendorComm, blocking
+from .ordering import IssueOrder
+from .scheduler import CollCtx, Watchdog, run_collective
+from .transports.base import AnySource, Endpoint
+from .wire import CollOp, Fingerprint
+
+P2P_TAG = 0xFFFF << 48
+P2P_SPACE = 1 << 31  # p2p frames use comm id | P2P_SPACE: their sequence numbers never meet a collective's
+NO_DTYPE, NO_OP = 255, 255  # fingerprint fields of a collective without element type or reduction
+
+Mem = Buf | DeviceBuf  # host or device memory, checked by the facade
+
+
+class ScratchPool:
+    """Page-aligned scratch buffers reused across collectives (big allocations cost page faults)."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for i, arr in enumerate(self._free):
+            if len(arr) >= nbytes:
+                return self._free.pop(i)
+        raw = np.empty(max(nbytes, 4096) + 4096, np.uint8)
+        off = (-raw.ctypes.data) % 4096
+        return raw[off: off + max(nbytes, 4096)]
+
+    def give(self, arr: np.ndarray) -> None:
+        if len(self._free) < 8:
+            self._free.append(arr)
+
+
+def derived_id(parent: int, what: str) -> int:
+    """A communicator id made from its parent's and a description every member computes alike."""
+    digest = hashlib.blake2s(f"{parent}/{what}".encode(), digest_size=4).digest()
+    child_id = int.from_bytes(digest, "little") & (P2P_SPACE - 1)  # 31 bits; 0 and 1 are reserved
+    return child_id if child_id > 1 else child_id + 2
+
+
+class IslandLane:
+    """The collectives of a single-GPU-island group on one device, enqueued from the calling thread with
+    everything that is fixed per device found once: the torch backend's hot path (ProcessGroupNCCL's, at a
+    small message's cost). It takes raw arguments (pointers, counts, hetccl dtypes and ops, stream handles):
+    the caller has checked its tensors. Each call returns the event recorded after the operation."""
+
+    __slots__ = ("group", "vc", "device", "_timeout")
+
+    def __init__(self, group: Group, vc: VendorComm):
+        self.group, self.vc, self.device = group, vc, vc.device
+        self._timeout = group._settings.timeout
+
+    def all_reduce(self, ptr: int, count: int, dtype: Any, op: ReduceOp, stream: int) -> Any:
+        if self.group._closed or self.group._aborted is not None:
+            self.group._check_open()  # raises the reason
+        vc = self.vc
+        return vc.run_now(lambda s: vc.lib.all_reduce(ptr, ptr, count, dtype, op, vc.comm, s), stream,
+                          time.monotonic() + self._timeout, "all_reduce")
+
+
+class Group:
+    """Ranks (`members`, job ranks in group rank order) that run flat collectives together."""
+
+    def __init__(self, fabric: Fabric, comm_id: int, members: list[int]):
+        self._fabric = fabric
+        self._settings = fabric.settings
+        self.comm_id = comm_id
+        self._members = members
+        self.rank = members.index(fabric.rank)
+        self.size = len(members)
+        self._global_to_comm = {g: i for i, g in enumerate(members)}
+        self._endpoints = {i: fabric.endpoints[g] for i, g in enumerate(members) if g != fabric.rank}
+        self._seq = 0
+        # point to point: one ordered stream per (peer, tag), numbered on each side; each tag has its own wire
+        # communicator id (_p2p_id), so frames of different tags never share a (comm, seq) key
+        self._send_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._recv_seq: dict[tuple[int, int], int] = defaultdict(int)
+        self._p2p_ids: dict[int, int] = {0: comm_id | P2P_SPACE}
+        # per tag: completes once every receive posted before has its (peer, seq); only receives from any
+        # source keep it pending, and receives posted behind one wait (MPI: receives match in posting order)
+        self._recv_gate: dict[int, asyncio.Future[None]] = {}
+        self._splits = 0
+        self._closed = False
+        self._pool = ScratchPool()
+        self._override = algorithms.parse_override(self._settings.algo)
+        self._kind = fabric.transport_kind(members)
+        self._children: list[Group] = []
+        self._parent: Group | None = None
+        self._watchdog = Watchdog()
+        self._labels = [fabric.records[g].get("island", "cpu") if fabric.records else "cpu" for g in members]
+        self._islands = len(set(self._labels))
+        self.island_layout: Any = None  # hierarchical.Layout, built when a group of several islands is made
+        self.issue_order = IssueOrder()  # turns of the hierarchical collectives (ordering.py says why)
+        self._vendors: dispatch.IslandVendors | None = None  # one GPU island: its vendor communicators
+        self._algo_cache: dict[tuple[str, int], str] = {}
+        self._flight = FlightRecorder()
+        self._aborted: HetcclError | None = None  # set by abort() / shrink(): every later call raises it
+        fabric.comms[comm_id] = self
+        if fabric.answer_report is None:
+            fabric.answer_report = hangreport.answer
+
+    # ---- what the scheduler and the hang report read (scheduler.GroupView) -------------------------------
+    @property
+    def fabric(self) -> Fabric:
+        return self._fabric
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @property
+    def members(self) -> list[int]:
+        return self._members
+
+    @property
+    def peers(self) -> dict[int, Endpoint]:
+        """Group rank -> the endpoint that reaches it (every rank but this one)."""
+        return self._endpoints
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self._watchdog
+
+    @property
+    def flight(self) -> FlightRecorder:
+        return self._flight
+
+    @property
+    def aborted(self) -> HetcclError | None:
+        return self._aborted
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def group_rank(self, job_rank: int) -> int:
+        """This group's rank of a job rank (the job rank itself when it is no member)."""
+        return self._global_to_comm.get(job_rank, job_rank)
+
+    # ---- numbering -----------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise HetcclError("communicator is closed; create a new one with hetccl.init()")
+        if self._aborted is not None:
+            raise self._aborted
+
+    def next_fingerprint(self, op: int, dtype: DType | None, count: int, root: int = -1,
+                         redop: ReduceOp | None = None) -> Fingerprint:
+        """Take this group's next sequence number for a collective of op code `op` (a wire.CollOp)."""
+        self._check_open()
+        seq = self._seq
+        self._seq = (seq + 1) & 0xFFFFFFFF
+        return Fingerprint(self.comm_id, seq, op, NO_DTYPE if dtype is None else int(dtype), count, root,
+                           NO_OP if redop is None else int(redop))
+
+    def _algo(self, op: str, nbytes: int) -> str:
+        algo = self._algo_cache.get((op, nbytes))
+        if algo is None:
+            if len(self._algo_cache) > 4096:
+                self._algo_cache.clear()
+            algo = self._algo_cache[op, nbytes] = algorithms.choose(op, nbytes, self.size, self._kind,
+                                                                    self._override)
+        return algo
+
+    # ---- flat collectives: host algorithms on host memory; device memory: the vendor CCL or staging -------
+    async def flat_all_reduce(self, b: Mem, op: ReduceOp) -> None:
+        if isinstance(b, DeviceBuf):
+            if self._islands > 1:
+                return await self._staged("all_reduce", [b], [0], op=op)
+            return await self._vendor_run("all_reduce", [b], op=op)
+        fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op)
+        ctx = CollCtx(self, fp, b.dtype, op)
+        algo = ring.all_reduce if self._algo("all_reduce", b.nbytes) == algorithms.RING else latency.all_reduce
+        await run_collective(self, fp, lambda: algo(ctx, b))
+
+    async def flat_all_gather(self, o: Mem, i: Mem) -> None:
+        if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
+            return await self._on_device("all_gather", [o, i], [0])
+        fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count)
+        nb = i.nbytes
+        if not np.shares_memory(o.data[self.rank * nb:(self.rank + 1) * nb], i.data) or \
+                o.data[self.rank * nb:].ctypes.data != i.data.ctypes.data:
+            o.data[self.rank * nb:(self.rank + 1) * nb] = i.data
+        ctx = CollCtx(self, fp, o.dtype, None)
+        algo = ring.all_gather if self._algo("all_gather", o.nbytes) == algorithms.RING else latency.all_gather
+        await run_collective(self, fp, lambda: algo(ctx, o))
+
+    async def flat_reduce_scatter(self, o: Mem, i: Mem, op: ReduceOp) -> None:
+        if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
+            return await self._on_device("reduce_scatter", [o, i], [0], op=op)
+        fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
+        ctx = CollCtx(self, fp, o.dtype, op)
+        scratch = self._pool.take(i.nbytes)
+        try:
+            if self._algo("reduce_scatter", i.nbytes) == algorithms.RING:
+                s = scratch[: i.nbytes]
+                s[:] = i.data
+                await run_collective(self, fp, lambda: ring.reduce_scatter(ctx, o, i, s))
+            else:
+                await run_collective(self, fp, lambda: latency.reduce_scatter(ctx, o, i, scratch[: i.nbytes]))
+        finally:
+            self._pool.give(scratch)
+
+    async def flat_broadcast(self, b: Mem, root: int) -> None:
+        if isinstance(b, DeviceBuf):
+            return await self._on_device("broadcast", [b], [0], root=root)
+        fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root)
+        ctx = CollCtx(self, fp, b.dtype, None)
+        algo = ring.broadcast if self._algo("broadcast", b.nbytes) == algorithms.RING else latency.broadcast
+        await run_collective(self, fp, lambda: algo(ctx, b, root))
+
+    async def flat_reduce(self, b: Mem, root: int, op: ReduceOp) -> None:
+        if isinstance(b, DeviceBuf):
+            return await self._on_device("reduce", [b], [0], root=root, op=op)
+        fp = self.next_fingerprint(CollOp.REDUCE, b.dtype, b.count, root, op)
+        ctx = CollCtx(self, fp, b.dtype, op)
+        scratch = self._pool.take(2 * b.nbytes)
+        try:
+            acc = None
+            if self.rank != root:
+                acc = scratch[: b.nbytes]
+                acc[:] = b.data
+            if self._algo("reduce", b.nbytes) == algorithms.RING:
+                await run_collective(self, fp, lambda: ring.reduce(ctx, b, root, acc))
+            else:
+                tmp = scratch[b.nbytes: 2 * b.nbytes]
+                await run_collective(self, fp, lambda: latency.reduce(ctx, b, root, acc, tmp))
+        finally:
+            self._pool.give(scratch)
+
+    async def flat_all_to_all(self, o: Mem, i: Mem) -> None:
+        if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
+            return await self._on_device("all_to_all", [o, i], [0])
+        fp = self.next_fingerprint(CollOp.ALL_TO_ALL, o.dtype, i.count)
+        ctx = CollCtx(self, fp, o.dtype, None)
+        await run_collective(self, fp, lambda: direct.all_to_all(ctx, o, i))
+
+    async def flat_gather(self, o: Mem | None, i: Mem, root: int) -> None:
+        if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
+            return await self._on_device("gather", [o, i], [0], root=root)
+        fp = self.next_fingerprint(CollOp.GATHER, i.dtype, i.count, root)
+        ctx = CollCtx(self, fp, i.dtype, None)
+        await run_collective(self, fp, lambda: direct.gather(ctx, o, i, root))
+
+    async def flat_scatter(self, o: Mem, i: Mem | None, root: int) -> None:
+        if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
+            return await self._on_device("scatter", [o, i], [0], root=root)
+        fp = self.next_fingerprint(CollOp.SCATTER, o.dtype, o.count, root)
+        ctx = CollCtx(self, fp, o.dtype, None)
+        await run_collective(self, fp, lambda: direct.scatter(ctx, o, i, root))
+
+    async def flat_barrier(self) -> None:
+        fp = self.next_fingerprint(CollOp.BARRIER, None, 0)
+        ctx = CollCtx(self, fp, DType.UINT8, None)
+        await run_collective(self, fp, lambda: latency.barrier(ctx))
+
+    # ---- device memory -------------------------------------------------------------------------------
+    def _gpu_island(self) -> bool:
+        """One GPU island: its device collectives run in the vendor CCL."""
+        return self._islands == 1 and dispatch.vendor_of(self._labels[self.rank]) is not None
+
+    async def _on_device(self, name: str, bufs: list[Mem | None], outputs: list[int], root: int = -1,
+                         op: ReduceOp = ReduceOp.SUM) -> None:
+        """A collective with device buffers: the vendor CCL on one GPU island when every buffer is device memory
+        and the CCL has the collective, else host copies through hetccl's host algorithms (as host-memory
+        ranks run it: the same collectives on every rank)."""
+        if self._gpu_island() and name in dispatch.VENDOR_OPS and all(isinstance(b, DeviceBuf) for b in bufs):
+            return await self._vendor_run(name, bufs, root, op)  # type: ignore[arg-type]
+        await self._staged(name, bufs, outputs, root, op)
+
+    async def _staged(self, name: str, bufs: list[Mem | None], outputs: list[int], root: int = -1,
+                      op: ReduceOp = ReduceOp.SUM) -> None:
+        flat = getattr(self, f"flat_{name}")
+
+        async def on_host(host: list[Buf | None]) -> None:
+            extra = ([root] if root >= 0 else []) + ([op] if name in ("all_reduce", "reduce_scatter", "reduce")
+                                                     else [])
+            await flat(*host, *extra)
+
+        await staging.staged(bufs, outputs, on_host)
+
+    def island_vendors(self) -> dispatch.IslandVendors:
+        """This group's vendor communicators (made on first use, one per device)."""
+        if self._vendors is None:
+            label = self._labels[self.rank]
+            self._vendors = dispatch.IslandVendors(label, self.rank, self._members,
+                                                   f"{self._fabric.job}/vendor/{self.comm_id}", self._fabric,
+                                                   self._settings.timeout)
+        return self._vendors
+
+    async def _vendor_run(self, name: str, bufs: list[DeviceBuf], root: int = -1, op: ReduceOp = ReduceOp.SUM
+                          ) -> None:
+        """A collective on device buffers inside one GPU island: the vendor CCL on the caller's stream."""
+        self._check_open()
+        buf, call, what = dispatch.vendor_call(name, bufs, root, op)
+        use_device(buf.device)
+        vc = await self.island_vendors().get(buf.device)
+        await vc.run(lambda s: call(vc, s), stream_handle(buf), self._deadline(), what)
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self._settings.timeout
+
+    def _vendor_now(self) -> dispatch.IslandVendors | None:
+        """The vendor communicators the calling thread may enqueue on: one GPU island, not blocking mode, none
+        being made (what enqueue_now and lane() both require), else None."""
+        vendors = self._vendors
+        if vendors is None or vendors.pending or not self._gpu_island() or blocking():
+            return None
+        return vendors
+
+    def enqueue_vendor_now(self, name: str, bufs: list[DeviceBuf], root: int, op: ReduceOp) -> Any:
+        """A vendor collective of checked device buffers, enqueued from the calling thread (the torch backend's
+        caller, not hetccl's loop thread) when it can be: one GPU island whose vendor communicator for the
+        buffer's device exists. Returns the event recorded after the operation, or False where the caller must
+        go through the loop instead. Raises the group's error (a lost peer, a watchdog timeout) like the loop
+        path."""
+        vendors = self._vendor_now()
+        if vendors is None or name not in dispatch.VENDOR_OPS:
+            return False
+        self._check_open()
+        buf, call, what = dispatch.vendor_call(name, bufs, root, op)
+        vc = vendors.comms.get(buf.device)
+        if vc is None:
+            return False
+        deadline = time.monotonic() + self._settings.timeout  # the loop's clock: asyncio uses time.monotonic
+        return vc.run_now(lambda s: call(vc, s), buf.stream, deadline, what)
+
+    def lane(self, device: int) -> IslandLane | None:
+        """The fast lane on `device`: where enqueue_vendor_now would enqueue, else None."""
+        vendors = self._vendor_now()
+        vc = vendors.comms.get(device) if vendors is not None else None
+        return IslandLane(self, vc) if vc is not None else None
+
+    def vendor_comms(self) -> list[VendorComm]:
+        """Every vendor communicator of this group and of its sub-groups (islands, leaders, splits)."""
+        out: list[VendorComm] = []
+        todo: list[Group] = [self]
+        seen: set[int] = set()
+        while todo:
+            g = todo.pop()
+            if id(g) in seen:
+                continue
+            seen.add(id(g))
+            if g._vendors is not None:
+                out.extend(g._vendors.comms.values())
+            todo.extend(g._children)
+        return out
+
+    async def drain_devices(self) -> None:
+        """Wait for every device operation enqueued through this group (and its sub-groups) to complete."""
+        await dispatch.drain(self.vendor_comms(), self._deadline())
+
+    # ---- sub-groups ----------------------------------------------------------------------------------
+    async def split_group(self, color: int | None, key: int = 0) -> Group | None:
+        """Collective: ranks with the same color form a new group of this group's type, ordered by (key, rank);
+        color None -> this rank joins none and gets None."""
+        self._check_open()
+        mine = np.array([-1 if color is None else int(color), int(key)], dtype=np.int64)
+        table = np.empty(2 * self.size, dtype=np.int64)
+        await self.flat_all_gather(as_buf(table), as_buf(mine))  # plain exchange, whatever the islands
+        self._splits += 1
+        if color is None:
+            return None
+        members = sorted((int(table[2 * r + 1]), r) for r in range(self.size) if table[2 * r] == color)
+        global_members = [self._members[r] for _, r in members]
+        child = type(self)(self._fabric, derived_id(self.comm_id, f"{self._splits}/{color}"), global_members)
+        self._children.append(child)
+        child._parent = self
+        return child
+
+    # ---- point to point ------------------------------------------------------------------------------
+    def _p2p_id(self, tag: int) -> int:
+        """The wire communicator id of one tag's point-to-point streams (tag 0: comm_id | P2P_SPACE)."""
+        pid = self._p2p_ids.get(tag)
+        if pid is None:
+            if not isinstance(tag, int | np.integer):
+                raise ConfigError(f"tag={tag!r} must be an int")
+            pid = self._p2p_ids[int(tag)] = derived_id(self.comm_id, f"p2p-tag/{int(tag)}") | P2P_SPACE
+        return pid
+
+    async def p2p_send(self, b: Buf, peer: int, tag: int) -> None:
+        pid = self._p2p_id(tag)
+        seq = self._send_seq[peer, tag]
+        self._send_seq[peer, tag] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(pid, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, NO_OP)
+        ep = self._endpoints[peer]
+        await run_collective(self, fp, lambda: ep.send(fp, P2P_TAG | self.rank, b.data), peers=(peer,))
+
+    async def p2p_recv(self, b: Buf, peer: int | None, tag: int) -> int:
+        pid = self._p2p_id(tag)
+        prev = self._recv_gate.get(tag)
+        if peer is not None and (prev is None or prev.done()):
+            # the common path: nothing unresolved ahead, so the sequence number is taken before any await
+            return await self._recv_from(b, peer, tag, pid)
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._recv_gate[tag] = gate
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
+            if peer is not None:
+                receive = self._recv_from(b, peer, tag, pid)  # takes the sequence number now
+                gate.set_result(None)
+                return await receive
+            return await self._recv_any(b, tag, pid, gate)
+        finally:
+            if not gate.done():  # failed or cancelled before this receive's peer was known
+                if prev is None or prev.done():
+                    gate.set_result(None)
+                else:  # still behind an earlier one: later receives wait for it too
+                    prev.add_done_callback(lambda _: gate.done() or gate.set_result(None))
+            if self._recv_gate.get(tag) is gate and gate.done():
+                del self._recv_gate[tag]
+
+    def _recv_from(self, b: Buf, peer: int, tag: int, pid: int) -> Coroutine[Any, Any, int]:
+        """Take the next sequence number of (peer, tag) now; the returned coroutine receives that message."""
+        seq = self._recv_seq[peer, tag]
+        self._recv_seq[peer, tag] = (seq + 1) & 0xFFFFFFFF
+        fp = Fingerprint(pid, seq, CollOp.SEND_RECV, int(b.dtype), b.count, -1, NO_OP)
+        ep = self._endpoints[peer]
+
+        async def body() -> None:
+            await ep.post_recv(fp, P2P_TAG | peer, b.data)
+
+        async def receive() -> int:
+            await run_collective(self, fp, body, peers=(peer,))
+            return peer
+
+        return receive()
+
+    async def _recv_any(self, b: Buf, tag: int, pid: int, gate: asyncio.Future[None]) -> int:
+        """Post one receive on every peer's next expected message of this tag; the first to arrive (or, among
+        messages already here, the earliest arrived) wins and only that peer's counter moves on."""
+        peers = sorted(self._endpoints)
+        if not peers:
+            raise ConfigError("recv from any source on a communicator of one rank: there is no other rank")
+
+        def fp_of(p: int) -> Fingerprint:
+            return Fingerprint(pid, self._recv_seq[p, tag], CollOp.SEND_RECV, int(b.dtype), b.count, -1, NO_OP)
+
+        def resolved(p: int) -> None:
+            self._recv_seq[p, tag] = (self._recv_seq[p, tag] + 1) & 0xFFFFFFFF
+            gate.set_result(None)
+
+        # a message already here: the earliest arrived
+        here = [(self._endpoints[p].matcher.arrived.get((pid, self._recv_seq[p, tag], P2P_TAG | p)), p)
+                for p in peers]
+        here = [(stamp, p) for stamp, p in here if stamp is not None]
+        if here:
+            p = min(here)[1]
+            fp = fp_of(p)
+            resolved(p)
+            ep = self._endpoints[p]
+            await run_collective(self, fp, lambda: ep.post_recv(fp, P2P_TAG | p, b.data), peers=(p,))
+            return p
+        group = AnySource()
+        waits: dict[asyncio.Future[Any], int] = {}
+        for p in peers:  # all in one step: no frame can be taken between two of these posts
+            ep = self._endpoints[p]
+            fp = fp_of(p)
+            key = (pid, fp.seq, P2P_TAG | p)
+            awaitable = ep.post_recv(fp, P2P_TAG | p, b.data)
+            req = ep.matcher.posted.get(key)
+            if req is None:  # completed at once: failed (a lost peer, a poisoned communicator) or delivered
+                group.unpost()
+                for w in waits:
+                    w.cancel()
+                await awaitable
+                resolved(p)
+                return p
+            group.add(ep.matcher, key, req)
+            waits[asyncio.ensure_future(awaitable)] = p
+        desc = fp_of(peers[0])  # names the receive in a timeout message; withdraws nothing (peers=())
+
+        async def body() -> int:
+            try:
+                pending = set(waits)
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for w in done:
+                        if w.cancelled():  # withdrawn because another peer's message won
+                            continue
+                        if w.exception() is not None:
+                            raise w.exception()  # type: ignore[misc]
+                        return waits[w]
+                raise HetcclError("recv from any source: every posting was withdrawn")  # not reached
+            finally:
+                group.unpost(keep=group.winner)
+                for w in waits:
+                    w.cancel()
+
+        def won() -> None:
+            if group.winner is not None and not gate.done():
+                resolved(next(p for p in peers if self._endpoints[p].matcher is group.winner))
+
+        # the peer is known as soon as its frame is taken (before the data has landed): later receives go on
+        for _m, _key, req in group.posts:
+            req.fut.add_done_callback(lambda _f: won())
+        task = asyncio.ensure_future(run_collective(self, desc, body, peers=()))
+        try:
+            return await task
+        finally:
+            won()
+
+    # ---- failures ------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """End, on this rank, every collective of this communicator (and of its sub-communicators) in flight:
+        they raise CommAbortedError at once, and so does every later call. Device work is ended by aborting
+        the vendor communicators. Not collective; other ranks see this rank stop answering (use shrink() on
+        the survivors, or a new job)."""
+        if self._aborted is None:
+            self._aborted = CommAbortedError(f"rank {self.rank}: communicator {self.comm_id:#x} was aborted")
+        self._watchdog.abort_all()
+        for ep in self._endpoints.values():
+            ep.matcher.cancel_comm(self.comm_id, self._aborted)
+            for pid in self._p2p_ids.values():
+                ep.matcher.cancel_comm(pid, self._aborted)
+        if self._vendors is not None:
+            for vc in self._vendors.comms.values():
+                vc.abort()
+        for child in self._children:
+            child.abort()

@@ -1,0 +1,319 @@
+"""The hierarchical schedule: a collective across islands as an island step, a leaders step and an island
+step, as UCC's cl/hier schedules are.
+
+Islands: every rank carries a label (HETCCL_ISLAND, else the GPU vendor present, else "cpu"); ranks with
+different labels never share a vendor CCL. A communicator of several islands gets a `Layout`: its islands,
+the sub-group of this rank's island and the sub-group of the island leaders (each island's lowest rank).
+Each collective then runs steps on those flat groups (group.py):
+
+- inside an island: the vendor CCL on device memory, hetccl's host algorithms on host memory;
+- among the leaders: flat across islands. Device data goes through host memory (gpu/staging.py), all_reduce
+  pipelined by chunk, or over the zero-copy link when two GPU leaders share a host (gpu/pairlink.py);
+- local copies (scratch, reordering, AVG's division) on the caller's stream.
+
+Every rank of the communicator runs the same steps whatever memory it holds, so GPU and CPU islands mix. The
+schedule does not depend on the memory type or the transport: the flat groups below choose those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import native
+from .dtypes import Buf, ReduceOp, as_buf
+from .gpu import pairlink, staging
+from .gpu.buffers import DeviceBuf, as_device_buf
+from .gpu.dispatch import vendor_of
+from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
+from .group import Group, Mem
+from .wire import CollOp
+
+log = logging.getLogger("hetccl")
+
+
+@dataclass
+class Layout:
+    labels: list[str]
+    islands: list[list[int]]  # group ranks of each island, islands ordered by their lowest rank
+    mine: int  # index of my island
+    island_comm: Group | None = None  # the group of my island (None when it is the whole group)
+    leaders: Group | None = None  # the group of the island leaders (None off leaders / single island)
+    pairlink: Any = None  # zero-copy cross-island link (two GPU leaders on one host); False: not possible
+
+    @property
+    def single(self) -> bool:
+        return len(self.islands) == 1
+
+    @property
+    def my_members(self) -> list[int]:
+        return self.islands[self.mine]
+
+
+async def build_layout(group: Group) -> Layout:
+    """Collective over `group` (called when it is created): its islands and, with several, the island and
+    leader sub-groups that the hierarchical collectives use."""
+    recs = group.fabric.records
+    labels = [recs[g].get("island", "cpu") for g in group.members]
+    order: dict[str, list[int]] = {}
+    for r, lab in enumerate(labels):
+        order.setdefault(lab, []).append(r)
+    islands = list(order.values())
+    mine = next(i for i, m in enumerate(islands) if group.rank in m)
+    lay = Layout(labels, islands, mine)
+    if len(islands) > 1 and all(len(m) == 1 for m in islands):
+        lay.leaders = group  # every island is one rank: everybody leads
+    elif len(islands) > 1:  # collective: every rank builds the same layout at the same point
+        lay.island_comm = await group.split_group(mine, key=group.rank)
+        lay.leaders = await group.split_group(0 if group.rank == islands[mine][0] else None, key=mine)
+    group.island_layout = lay
+    return lay
+
+
+async def layout(group: Group) -> Layout:
+    return group.island_layout if group.island_layout is not None else await build_layout(group)
+
+
+async def run(group: Group, name: str, *args: Any) -> None:
+    """One collective across islands, in issue order (ordering.py says why): `name` is one of SCHEDULES."""
+    async with group.issue_order.turn(name, asyncio.get_running_loop().time() + group.settings.timeout):
+        await SCHEDULES[name](group, *args)
+
+
+def _deadline(group: Group) -> float:
+    return asyncio.get_running_loop().time() + group.settings.timeout
+
+
+async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
+    """Reduce to each island's leader, all_reduce among leaders (device data staged through pinned host
+    memory, or over the zero-copy link), broadcast inside each island. Host buffers (CPU islands) take the
+    same steps with hetccl's host algorithms, so every rank runs the same sequence of collectives."""
+    lay = await layout(group)
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    members = lay.my_members
+    if isinstance(b, Buf):
+        group.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
+        if len(members) > 1:
+            await lay.island_comm.flat_reduce(b, 0, inner)
+        if lay.leaders is not None and lay.leaders.size > 1:
+            # the same chunks as a GPU leader's staging, so every leader issues the same collectives
+            isz = b.dtype.itemsize
+            step = staging.STAGE_CHUNK // isz
+            for off in range(0, max(b.count, 1), step):
+                part = b.data[off * isz:(off + step) * isz]
+                await lay.leaders.flat_all_reduce(Buf(part, b.dtype, len(part) // isz, b.obj), inner)
+        if len(members) > 1:
+            await lay.island_comm.flat_broadcast(b, 0)
+        if rop == ReduceOp.AVG:
+            native.divide(b.data, b.dtype, group.size)
+        return
+    use_device(b.device)
+    group.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
+    stream = stream_of(b)
+    t = as_tensor(b)
+    if len(members) > 1:
+        await lay.island_comm.flat_reduce(b, 0, inner)
+    if lay.leaders is not None and lay.leaders.size > 1:
+        small = b.nbytes <= staging.SMALL_BYTES
+        link = await _pairlink(group, lay, t) if not small or staging.PAIRLINK_SMALL else None
+        if link is not None and (not small or link.ops is not None):
+            # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop)
+            await link.all_reduce(t, inner, stream, _deadline(group))
+        elif small:
+            await staging.small_all_reduce(lay.leaders, t, inner, stream, _deadline(group))
+        else:
+            # every leader a GPU: gather the chunks and reduce on the devices; a CPU leader reduces on the host
+            # anyway, and then every leader runs the host all_reduce (the same collectives on all of them)
+            on_device = all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+            await staging.staged_all_reduce(lay.leaders, t, inner, stream, _deadline(group), on_device)
+    if len(members) > 1:
+        await lay.island_comm.flat_broadcast(b, 0)
+    if rop == ReduceOp.AVG:
+        torch = torch_mod()
+        with torch.cuda.stream(stream):
+            divide_inplace(t, group.size)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        await wait_event(ev, _deadline(group), "avg division")
+
+
+async def _pairlink(group: Group, lay: Layout, t: Any) -> Any:
+    """The zero-copy link when exactly two GPU islands' leaders share a host, else None (decided from the
+    layout alone, so both leaders agree)."""
+    leaders = lay.leaders
+    if leaders.size != 2 or not pairlink.enabled():
+        return None
+    g = leaders.members
+    fab = group.fabric
+    if not fab.topology.same_host(g[0], g[1]):
+        return None
+    if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
+        return None
+    if lay.pairlink is None:
+        need = pairlink.segment_bytes(staging.STAGE_CHUNK)
+        room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
+        await leaders.flat_all_reduce(as_buf(room), ReduceOp.MIN)  # both leaders take the same path
+        if room[0]:
+            lay.pairlink = await pairlink.PairLink.create(leaders, t.device, staging.STAGE_CHUNK,
+                                                          group.settings.timeout)
+        else:
+            log.warning("hetccl: /dev/shm cannot hold the zero-copy cross-island link (%d MiB); staging through "
+                        "hetccl's transports instead (enlarge /dev/shm, or lower HETCCL_STAGE_BYTES)", need >> 20)
+            lay.pairlink = False
+    if lay.pairlink is False:
+        return None
+    return lay.pairlink
+
+
+class _View:
+    """A flat view of a checked buffer for the local steps: a torch tensor for device memory, the Buf (bytes +
+    dtype) for host memory, with slicing and scratch of the same kind; `mem` hands pieces to the groups."""
+
+    def __init__(self, m: Mem):
+        if isinstance(m, DeviceBuf):
+            self.dev = True
+            use_device(m.device)
+            self.flat = as_tensor(m)
+            # local steps (scratch, copies, division) run on the caller's stream, ordered with its work and with
+            # the sub-collectives (which take that stream too), and scratch is allocated for that stream
+            self.stream = stream_of(m)
+        else:
+            self.dev = False
+            self.flat = m
+            self.stream = None
+
+    def __len__(self) -> int:
+        return int(self.flat.shape[0]) if self.dev else self.flat.count
+
+    def mem(self, x: Any) -> Mem:
+        return as_device_buf(x) if self.dev else x
+
+    def local(self) -> Any:
+        return torch_mod().cuda.stream(self.stream) if self.dev else contextlib.nullcontext()
+
+    def empty(self, count: int) -> Any:
+        if self.dev:
+            with self.local():
+                return torch_mod().empty(count, dtype=self.flat.dtype, device=self.flat.device)
+        dt = self.flat.dtype
+        return Buf(np.empty(count * dt.itemsize, np.uint8), dt, count)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        with self.local():
+            if isinstance(dst, Buf):
+                dst.data[...] = src.data
+            else:
+                dst.copy_(src)
+
+    def divide(self, x: Any, divisor: int) -> None:
+        with self.local():
+            if isinstance(x, Buf):
+                native.divide(x.data, x.dtype, divisor)
+            else:
+                divide_inplace(x, divisor)
+
+
+def _sl(x: Any, a: int, b: int) -> Any:
+    if isinstance(x, Buf):
+        isz = x.dtype.itemsize
+        return Buf(x.data[a * isz: b * isz], x.dtype, b - a, x.obj)
+    return x[a:b]
+
+
+async def broadcast(group: Group, b: Mem, root: int) -> None:
+    lay = await layout(group)
+    v = _View(b)
+    group.next_fingerprint(CollOp.BROADCAST, None, len(v), root)
+    root_island = next(i for i, m in enumerate(lay.islands) if root in m)
+    members, isl = lay.my_members, lay.island_comm
+    mine = lay.mine == root_island
+    root_leads = lay.islands[root_island][0] == root
+    if isl is not None and mine and not root_leads:  # root's island first: its leader gets the data
+        await isl.flat_broadcast(b, members.index(root))
+    if lay.leaders is not None and group.rank == members[0]:
+        await lay.leaders.flat_broadcast(b, root_island)
+    if isl is not None and not (mine and not root_leads):
+        await isl.flat_broadcast(b, 0)
+
+
+async def reduce(group: Group, b: Mem, root: int, rop: ReduceOp) -> None:
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    lay = await layout(group)
+    v = _View(b)
+    group.next_fingerprint(CollOp.REDUCE, None, len(v), root, rop)
+    root_island = next(i for i, m in enumerate(lay.islands) if root in m)
+    members, isl = lay.my_members, lay.island_comm
+    leader = group.rank == members[0]
+    # leaders accumulate in a copy: only root's buffer may change
+    acc = v.flat
+    if leader:
+        acc = v.empty(len(v))
+        v.copy(acc, v.flat)
+    if isl is not None:
+        await isl.flat_reduce(v.mem(acc) if leader else b, 0, inner)
+    if lay.leaders is not None and leader:
+        await lay.leaders.flat_reduce(v.mem(acc), root_island, inner)
+    if lay.mine == root_island:
+        if root == members[0]:
+            v.copy(v.flat, acc)
+        elif isl is not None:  # the island leader hands the result to root; others receive into scratch
+            tmp = acc if leader else (v.flat if group.rank == root else v.empty(len(v)))
+            await isl.flat_broadcast(v.mem(tmp), 0)
+        if group.rank == root and rop == ReduceOp.AVG:
+            v.divide(v.flat, group.size)
+
+
+async def all_gather(group: Group, out: Mem, inp: Mem) -> None:
+    lay = await layout(group)
+    vo, vi = _View(out), _View(inp)
+    k = len(vi)
+    group.next_fingerprint(CollOp.ALL_GATHER, None, k)
+    members, isl = lay.my_members, lay.island_comm
+    width = max(len(m) for m in lay.islands)
+    mine = vi.empty(width * k)  # this island's blocks, padded to the largest island
+    if isl is not None:
+        await isl.flat_all_gather(vi.mem(_sl(mine, 0, len(members) * k)), inp)
+    else:
+        vi.copy(_sl(mine, 0, k), vi.flat)
+    every = vi.empty(len(lay.islands) * width * k)
+    if lay.leaders is not None and group.rank == members[0]:
+        await lay.leaders.flat_all_gather(vi.mem(every), vi.mem(mine))
+    if isl is not None:
+        await isl.flat_broadcast(vi.mem(every), 0)
+    for i, island in enumerate(lay.islands):  # back to group rank order
+        for j, r in enumerate(island):
+            a = (i * width + j) * k
+            vi.copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
+
+
+async def reduce_scatter(group: Group, out: Mem, inp: Mem, rop: ReduceOp) -> None:
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    lay = await layout(group)
+    vo, vi = _View(out), _View(inp)
+    k = len(vo)
+    group.next_fingerprint(CollOp.REDUCE_SCATTER, None, k, -1, rop)
+    members, isl = lay.my_members, lay.island_comm
+    acc = vi.empty(len(vi))
+    vi.copy(acc, vi.flat)
+    if isl is not None:
+        await isl.flat_reduce(vi.mem(acc), 0, inner)
+    if lay.leaders is not None and group.rank == members[0]:
+        await run(lay.leaders, "all_reduce", vi.mem(acc), inner)
+    if isl is not None:
+        await isl.flat_broadcast(vi.mem(acc), 0)
+    r = group.rank
+    vi.copy(vo.flat, _sl(acc, r * k, (r + 1) * k))
+    if rop == ReduceOp.AVG:
+        vi.divide(vo.flat, group.size)
+
+
+SCHEDULES: dict[str, Callable[..., Awaitable[None]]] = {
+    "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+    "broadcast": broadcast, "reduce": reduce,
+}

@@ -1,0 +1,43 @@
+"""A named shared-memory segment under /dev/shm, mapped into this process: what the shm transport's rings and
+the GPU cross-island link are laid out in."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+
+import numpy as np
+
+from .errors import TransportError
+from .native import ffi
+
+
+class Segment:
+    """Created (create=True, zeroed unless touch=False) or opened at its expected size; `mem` is a byte view,
+    `cbase` its C address, and the first 8 bytes are the owner's waiting flag."""
+
+    def __init__(self, name: str, size: int, create: bool, touch: bool = True):
+        self.name, self.size = name, size
+        path = "/dev/shm/" + name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise TransportError(f"shared segment {path} has size {os.fstat(fd).st_size}, expected {size}; "
+                                     "do all local ranks use the same HETCCL_SHM_* settings?")
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.mem = np.frombuffer(self.mm, dtype=np.uint8)
+        self.cbase = ffi.cast("char *", ffi.from_buffer("char[]", self.mem, True))
+        if create and touch:
+            self.mem[:] = 0  # fault the pages in now, not on the hot path (touch=False: the caller places them)
+        self.waiting = ffi.cast("uint64_t *", self.cbase)
+
+    @staticmethod
+    def unlink(name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink("/dev/shm/" + name)
