@@ -8,7 +8,8 @@ Each collective then runs steps on those flat groups (group.py):
 
 - inside an island: the vendor CCL on device memory, hetccl's host algorithms on host memory;
 - among the leaders: flat across islands. Device data goes through host memory (gpu/staging.py), all_reduce
-  pipelined by chunk, or over the zero-copy link when two GPU leaders share a host (gpu/pairlink.py);
+  pipelined by chunk, or over the zero-copy link when the GPU leaders share a host (gpu/pairlink.py for two,
+  gpu/ringlink.py for three or more);
 - local copies (scratch, reordering, AVG's division) on the caller's stream.
 
 Every rank of the communicator runs the same steps whatever memory it holds, so GPU and CPU islands mix. The
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, ReduceOp, as_buf
-from .gpu import pairlink, staging
+from .gpu import pairlink, ringlink, staging
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
 from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
@@ -45,7 +46,7 @@ class Layout:
     mine: int  # index of my island
     island_comm: Group | None = None  # the group of my island (None when it is the whole group)
     leaders: Group | None = None  # the group of the island leaders (None off leaders / single island)
-    pairlink: Any = None  # zero-copy cross-island link (two GPU leaders on one host); False: not possible
+    pairlink: Any = None  # zero-copy link of the GPU leaders on one host (pair, or ring of 3+); False: none
 
     @property
     def single(self) -> bool:
@@ -144,18 +145,21 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
 
 
 async def _pairlink(group: Group, lay: Layout, t: Any) -> Any:
-    """The zero-copy link when exactly two GPU islands' leaders share a host, else None (decided from the
-    layout alone, so both leaders agree)."""
+    """The zero-copy link when every island leader holds a GPU and all share one host: the pair link for two
+    leaders, the ring for more; else None (decided from the layout alone, so every leader agrees)."""
     leaders = lay.leaders
-    if leaders.size != 2 or not pairlink.enabled():
+    if leaders.size < 2 or not pairlink.enabled():
         return None
     g = leaders.members
     fab = group.fabric
-    if not fab.topology.same_host(g[0], g[1]):
+    if not all(fab.topology.same_host(g[0], x) for x in g[1:]):
         return None
     if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
         return None
-    if lay.pairlink is None:
+    if lay.pairlink is None and leaders.size > 2:
+        ring = await ringlink.RingLink.create(leaders, t.device, staging.STAGE_CHUNK, group.settings.timeout)
+        lay.pairlink = ring if ring is not None else False
+    elif lay.pairlink is None:
         need = pairlink.segment_bytes(staging.STAGE_CHUNK)
         room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
         await leaders.flat_all_reduce(as_buf(room), ReduceOp.MIN)  # both leaders take the same path
