@@ -20,6 +20,9 @@ from test_torch_backend import close, job_env, run_torch, run_torchrun
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
 CUDA_ENV = {"TORCH_TEST_DEVICE": "cuda", **GPU_ENV}
+# two ranks of the same checks: one island on two GPUs; with one GPU, where NCCL cannot hold both ranks, each rank
+# is its own island and both share the GPU (the cross-island path)
+PAIR_ENV = CUDA_ENV if NGPU >= 2 else {**CUDA_ENV, "TEST_ISLANDS": "nvidia-0,nvidia-1"}
 
 
 @needs_1
@@ -29,19 +32,19 @@ def test_ops_on_cuda_tensors(dtype):
     """Every op (all_reduce with each reduce op and PREMUL_SUM, all_gather, all_gather_into_tensor, coalesced
     forms, reduce_scatter, broadcast, reduce, all_to_all with and without splits, gather, scatter, send/recv,
     batch_isend_irecv, barrier) on CUDA tensors, results checked on every rank."""
-    run_torch(2, "ops", dtype, env=CUDA_ENV, timeout=280)
+    run_torch(2, "ops", dtype, env=PAIR_ENV, timeout=280)
 
 
 @needs_1
 @pytest.mark.timeout(300)
 def test_async_work_on_cuda_tensors():
-    run_torch(2, "async", env=CUDA_ENV, timeout=280)
+    run_torch(2, "async", env=PAIR_ENV, timeout=280)
 
 
 @needs_1
 @pytest.mark.timeout(300)
 def test_subgroups_on_cuda_tensors():
-    run_torch(2, "subgroup", env=CUDA_ENV, timeout=280)
+    run_torch(2, "subgroup", env=PAIR_ENV, timeout=280)
 
 
 @needs_1
@@ -53,7 +56,8 @@ def test_ddp_cuda_matches_reference(tmp_path, hook):
     losses = {}
     for backend in ("hetccl", REFERENCE):
         out = tmp_path / backend
-        run_torch(n, "ddp", backend, str(out), hook, env=CUDA_ENV, timeout=280)
+        run_torch(n, "ddp", backend, str(out), hook, env=PAIR_ENV if backend == "hetccl" else CUDA_ENV,
+                  timeout=280)
         losses[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(n)]
     for r in range(n):
         # the same kernels on both sides; 1e-5 leaves room for a reference that reduces in another order
