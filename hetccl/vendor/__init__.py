@@ -1,14 +1,14 @@
-"""Bindings to vendor libraries that are loaded at run time, never linked: NCCL / RCCL (`ccl`) and the
-CUDA / HIP runtimes (`cudart`).
+"""hetccl's own bindings to vendor libraries that are loaded at run time, never linked: NCCL / RCCL (`ccl`),
+where those libraries are looked for (`search`), and the GPU driver's copies, events and stream memory
+operations (`streamops`). CUDA / HIP runtime calls themselves go through torch (`torch.cuda`).
 
 Everything here is cffi ABI mode (`ffi.cdef` + `ffi.dlopen`), so hetccl installs and imports without a
 compiler, a CUDA toolkit or ROCm; a library is only looked for when device memory first needs it (a GPU
 island's vendor communicator, the driver calls of the cross-island link), and a missing one is a
-`TransportError` that lists every place searched and what to set.
+`TransportError` that says what was tried.
 
-The search helpers that both bindings share live in `search`; the public entry points are
-`load_nccl()`, `load_rccl()` (hetccl.vendor.ccl) and `load_runtime()` (hetccl.vendor.cudart), also
-reachable here without importing the submodules eagerly.
+The public entry points are `load_nccl()` and `load_rccl()` (hetccl.vendor.ccl), also reachable here without
+importing the submodule eagerly.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from .search import (  # noqa: F401 (re-exported: the helpers' historical home)
     Unusable,
     file_of_symbol,
     format_tried,
-    loaded_in_process,
     name_missing,
     package_dirs,
     rocm_lib_dirs,
@@ -30,7 +29,7 @@ from .search import (  # noqa: F401 (re-exported: the helpers' historical home)
     system_names,
 )
 
-__all__ = ["load_nccl", "load_rccl", "load_runtime"]
+__all__ = ["load_nccl", "load_rccl"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing hetccl.vendor must not pull in cffi parsing
@@ -38,8 +37,4 @@ def __getattr__(name: str) -> Any:  # lazy: importing hetccl.vendor must not pul
         from . import ccl
 
         return getattr(ccl, name)
-    if name == "load_runtime":
-        from . import cudart
-
-        return cudart.load_runtime
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
