@@ -1,4 +1,4 @@
-"""The vendor-library bindings (hetccl.vendor): NCCL/RCCL (ccl), the library search (search) and the driver's
+"""The vendor-library bindings (hetccl.bindings): NCCL/RCCL (ccl), the library search (search) and the driver's
 stream memory operations (streamops).
 
 Runs on CPU-only CI: no call here needs a GPU.
@@ -25,10 +25,8 @@ import textwrap
 import cffi
 import pytest
 
-from hetccl.dtypes import DType, ReduceOp
-from hetccl.errors import ConfigError, HetcclError, TransportError
-from hetccl.vendor import ccl, file_of_symbol
-from hetccl.vendor.ccl import (
+from hetccl.bindings import ccl
+from hetccl.bindings.ccl import (
     CclDataType,
     CclRedOp,
     CclResult,
@@ -40,6 +38,9 @@ from hetccl.vendor.ccl import (
     unique_id_to_bytes,
     version_code,
 )
+from hetccl.bindings.search import file_of_symbol
+from hetccl.dtypes import DType, ReduceOp
+from hetccl.errors import ConfigError, HetcclError, TransportError
 
 ENV_VARS = ("HETCCL_NCCL_LIB", "HETCCL_RCCL_LIB")
 
@@ -560,7 +561,7 @@ def test_gpu_nccl_two_ranks_one_process(gpu, monkeypatch):
 def test_stream_memops_declarations_and_unavailability(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stream memory operations (GPU-signalled cross-island link) parse, and fail with a clear
     Unavailable (a TransportError the link turns into the CPU-signalled fallback) where they cannot run."""
-    from hetccl.vendor import streamops
+    from hetccl.bindings import streamops
 
     ffi = cffi.FFI()
     ffi.cdef(streamops.CDEF)

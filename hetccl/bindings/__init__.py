@@ -7,7 +7,7 @@ compiler, a CUDA toolkit or ROCm; a library is only looked for when device memor
 island's vendor communicator, the driver calls of the cross-island link), and a missing one is a
 `TransportError` that says what was tried.
 
-The public entry points are `load_nccl()` and `load_rccl()` (hetccl.vendor.ccl), also reachable here without
+The public entry points are `load_nccl()` and `load_rccl()` (hetccl.bindings.ccl), also reachable here without
 importing the submodule eagerly.
 """
 
@@ -15,24 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .search import (  # noqa: F401 (re-exported: the helpers' historical home)
-    Candidate,
-    Tried,
-    Unusable,
-    file_of_symbol,
-    format_tried,
-    name_missing,
-    package_dirs,
-    rocm_lib_dirs,
-    search_library,
-    short_oserror,
-    system_names,
-)
-
 __all__ = ["load_nccl", "load_rccl"]
 
 
-def __getattr__(name: str) -> Any:  # lazy: importing hetccl.vendor must not pull in cffi parsing
+def __getattr__(name: str) -> Any:  # lazy: importing hetccl.bindings must not pull in cffi parsing
     if name in ("load_nccl", "load_rccl"):
         from . import ccl
 
