@@ -1,7 +1,7 @@
 """The vendor-library bindings (hetccl.bindings): NCCL/RCCL (ccl), the library search (search) and the driver's
 stream memory operations (streamops).
 
-Runs on CPU-only CI: no call here needs a GPU.
+On CPU-only CI, without a GPU call:
   * the cffi declarations parse; ncclConfig_t / ncclUniqueId layouts and the enum values are NCCL's;
   * hetccl's DType / ReduceOp map onto ncclDataType_t / ncclRedOp_t, all of them;
   * library resolution: the env variables (missing file, a real library without the symbols: the C math
@@ -9,7 +9,9 @@ Runs on CPU-only CI: no call here needs a GPU.
   * unique ids survive the byte round trip; ncclConfig_t is made like NCCL_CONFIG_INITIALIZER;
   * with a C compiler: a stub NCCL library built here checks what the wrappers pass and return;
   * with a real NCCL (HETCCL_NCCL_LIB or the nvidia-nccl wheel installed): ncclGetVersion and
-    ncclGetErrorString for real, and the declarations against the nccl.h shipped next to it.
+    ncclGetErrorString for real, and the declarations against the nccl.h shipped next to it;
+  * the stream memory operations' declarations parse, and loading them where they cannot run is an Unavailable.
+On a GPU with a real NCCL only (skipped elsewhere): one-rank non-blocking and two-rank NCCL collectives.
 """
 
 from __future__ import annotations
