@@ -47,7 +47,7 @@ def collect() -> dict[str, object]:
     except ConfigError as exc:  # a bad HETCCL_ISLAND: say why, as for the rest
         out["island"] = f"refused: {exc}"
     vendors = {}
-    from .vendor import ccl
+    from .bindings import ccl
 
     for name, loader in (("nccl", ccl.load_nccl), ("rccl", ccl.load_rccl)):
         try:

@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "hetccl.algorithms.ring": 5, "hetccl.algorithms.latency": 5, "hetccl.algorithms.direct": 5,
     "hetccl.scheduler": 5, "hetccl.hangreport": 5,
     # 4: device memory operations (buffers, streams, vendor communicators, the link, staging) and bindings
-    "hetccl.gpu": 4, "hetccl.vendor": 4,
+    "hetccl.gpu": 4, "hetccl.bindings": 4,
     # 3: control plane (fabric, rendezvous, rank sources)
     "hetccl.bootstrap": 3, "hetccl.torchrun": 3, "hetccl.store": 3, "hetccl.waits": 3,
     # 2: transports

@@ -1,14 +1,17 @@
-"""The vendor-library bindings (hetccl.vendor): NCCL/RCCL (ccl) and the CUDA/HIP runtimes (cudart).
+"""The vendor-library bindings (hetccl.bindings): NCCL/RCCL (ccl), the library search (search) and the driver's
+stream memory operations (streamops).
 
-Runs on CPU-only CI: no call here needs a GPU.
+On CPU-only CI, without a GPU call:
   * the cffi declarations parse; ncclConfig_t / ncclUniqueId layouts and the enum values are NCCL's;
   * hetccl's DType / ReduceOp map onto ncclDataType_t / ncclRedOp_t, all of them;
   * library resolution: the env variables (missing file, a real library without the symbols: the C math
     library), the nvidia wheel layout in site-packages, the "nothing found" message listing every place;
   * unique ids survive the byte round trip; ncclConfig_t is made like NCCL_CONFIG_INITIALIZER;
-  * with a C compiler: stub NCCL and HIP libraries built here check what the wrappers pass and return;
+  * with a C compiler: a stub NCCL library built here checks what the wrappers pass and return;
   * with a real NCCL (HETCCL_NCCL_LIB or the nvidia-nccl wheel installed): ncclGetVersion and
-    ncclGetErrorString for real, and the declarations against the nccl.h shipped next to it.
+    ncclGetErrorString for real, and the declarations against the nccl.h shipped next to it;
+  * the stream memory operations' declarations parse, and loading them where they cannot run is an Unavailable.
+On a GPU with a real NCCL only (skipped elsewhere): one-rank non-blocking and two-rank NCCL collectives.
 """
 
 from __future__ import annotations
@@ -24,10 +27,8 @@ import textwrap
 import cffi
 import pytest
 
-from hetccl.dtypes import DType, ReduceOp
-from hetccl.errors import ConfigError, HetcclError, TransportError
-from hetccl.vendor import ccl, cudart, file_of_symbol
-from hetccl.vendor.ccl import (
+from hetccl.bindings import ccl
+from hetccl.bindings.ccl import (
     CclDataType,
     CclRedOp,
     CclResult,
@@ -39,8 +40,11 @@ from hetccl.vendor.ccl import (
     unique_id_to_bytes,
     version_code,
 )
+from hetccl.bindings.search import file_of_symbol
+from hetccl.dtypes import DType, ReduceOp
+from hetccl.errors import ConfigError, HetcclError, TransportError
 
-ENV_VARS = ("HETCCL_NCCL_LIB", "HETCCL_RCCL_LIB", "HETCCL_CUDART_LIB", "HETCCL_HIP_LIB")
+ENV_VARS = ("HETCCL_NCCL_LIB", "HETCCL_RCCL_LIB")
 
 
 def _libm() -> str:
@@ -63,14 +67,12 @@ def clean_env(monkeypatch):
 
 
 def test_cdefs_parse():
-    for cdef in (ccl.CDEF, cudart.CDEF):
-        ffi = cffi.FFI()
-        ffi.cdef(cdef)
+    cffi.FFI().cdef(ccl.CDEF)
     ffi = ccl.get_ffi()
     assert ffi.sizeof("ncclUniqueId") == ccl.UNIQUE_ID_BYTES == 128
     for fn in ("ncclResult_t(*)(int *)", "ncclResult_t(*)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *)"):
         ffi.typeof(fn)
-    assert cudart.get_ffi().sizeof("cudaStream_t") == cudart.get_ffi().sizeof("void *")
+    assert ffi.sizeof("cudaStream_t") == ffi.sizeof("void *")
 
 
 def test_config_layout_is_nccl_2_28():
@@ -184,20 +186,12 @@ def test_env_lib_missing_file(clean_env, tmp_path):
     clean_env.setenv("HETCCL_RCCL_LIB", str(tmp_path / "librccl.so"))
     with pytest.raises(TransportError, match="HETCCL_RCCL_LIB=.*librccl.so: no such file"):
         ccl.load_rccl()
-    clean_env.setenv("HETCCL_CUDART_LIB", str(tmp_path / "libcudart.so.12"))
-    with pytest.raises(TransportError, match="HETCCL_CUDART_LIB=.*no such file"):
-        cudart.load_runtime("cuda")
-    clean_env.setenv("HETCCL_HIP_LIB", str(tmp_path / "libamdhip64.so"))
-    with pytest.raises(TransportError, match="HETCCL_HIP_LIB=.*no such file"):
-        cudart.load_runtime("hip")
 
 
 def test_env_lib_without_symbols(clean_env):
     libm = _libm()
     for var, load, symbol in (("HETCCL_NCCL_LIB", ccl.load_nccl, "ncclGetVersion"),
-                              ("HETCCL_RCCL_LIB", ccl.load_rccl, "ncclGetVersion"),
-                              ("HETCCL_CUDART_LIB", lambda: cudart.load_runtime("cuda"), "cudaGetDeviceCount"),
-                              ("HETCCL_HIP_LIB", lambda: cudart.load_runtime("hip"), "hipGetDeviceCount")):
+                              ("HETCCL_RCCL_LIB", ccl.load_rccl, "ncclGetVersion")):
         clean_env.setenv(var, libm)
         with pytest.raises(TransportError) as err:
             load()
@@ -244,12 +238,13 @@ def test_nothing_found_lists_every_place(clean_env, tmp_path):
     for part in ("HETCCL_RCCL_LIB: not set", str(tmp_path / "rocm" / "lib" / "librccl.so"),
                  "libhetccl-test-absent.so.2", "HETCCL_RCCL_LIB=/path/to/librccl.so"):
         assert part in msg, msg
-    clean_env.setattr(cudart, "_cuda_candidates", lambda: [cudart.Candidate("x", str(tmp_path / "libcudart.so.12"))])
-    with pytest.raises(TransportError, match=r"no usable CUDA runtime found: tried HETCCL_CUDART_LIB: not set; "
-                                             r"x \(.*libcudart.so.12\): no such file.*set HETCCL_CUDART_LIB"):
-        cudart.load_runtime("cuda")
-    with pytest.raises(ConfigError):
-        cudart.load_runtime("opencl")
+    # a candidate given as a path that is not there is skipped and named, the search goes on to the next
+    clean_env.setattr(ccl, "_nccl_candidates", lambda: [ccl.Candidate("x", str(tmp_path / "libnccl.so.2")),
+                                                        ccl.Candidate("y", "libhetccl-test-absent.so.2")])
+    with pytest.raises(TransportError, match=r"no usable NCCL >= 2.18 found: tried HETCCL_NCCL_LIB: not set; "
+                                             r"x \(.*libnccl.so.2\): no such file; y \(libhetccl-test-absent.so.2\): "
+                                             r".*set HETCCL_NCCL_LIB"):
+        ccl.load_nccl()
 
 
 def test_wheel_layout_is_searched(clean_env, tmp_path):
@@ -261,15 +256,11 @@ def test_wheel_layout_is_searched(clean_env, tmp_path):
     assert f"nvidia-nccl wheel ({where}): loads but lacks the symbols ncclGetVersion" in str(err.value)
 
 
-def test_cuda13_runtime_wheel_layout_is_searched(clean_env, tmp_path):
+def test_cuda13_wheel_layout_is_searched(clean_env, tmp_path):
     libm = _libm()
-    clean_env.setattr(cudart, "system_names", lambda *a: [])
-    clean_env.setattr(cudart, "loaded_in_process", lambda stem: [])
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        clean_env.setenv(var, str(tmp_path / "no-cuda"))
-    where = _fake_site(tmp_path, clean_env, "nvidia/cu13/lib/libcudart.so.13", libm)
-    candidates = cudart._cuda_candidates()
-    assert cudart.Candidate("nvidia-cuda-runtime wheel", where) in candidates
+    clean_env.setattr(ccl, "system_names", lambda *a: [])
+    where = _fake_site(tmp_path, clean_env, "nvidia/cu13/lib/libnccl.so.2", libm)
+    assert ccl._nccl_candidates() == [ccl.Candidate("nvidia-nccl wheel", where)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,40 +318,6 @@ int ncclGroupStart(void) { LOG("groupstart"); return 0; }
 int ncclGroupEnd(void) { LOG("groupend"); return 7; }
 """
 
-# no hipHostMalloc on purpose: the binding must fall back to hipHostAlloc
-FAKE_HIP = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <stdint.h>
-static char last[256];
-static int queries;
-#define LOG(...) snprintf(last, sizeof last, __VA_ARGS__)
-#define P(x) ((unsigned long)(uintptr_t)(x))
-const char *fake_last(void) { return last; }
-int hipRuntimeGetVersion(int *v) { *v = 60342134; return 0; }
-int hipGetDeviceCount(int *n) { *n = 0; return 100; }
-int hipGetLastError(void) { return 0; }
-int hipSetDevice(int d) { return d == 0 ? 0 : 101; }
-int hipGetDevice(int *d) { *d = 0; return 0; }
-int hipStreamCreateWithFlags(void **s, unsigned f) { *s = (void *)(uintptr_t)(0x5000 + f); return 0; }
-int hipStreamDestroy(void *s) { LOG("sdestroy %lx", P(s)); return 0; }
-int hipStreamSynchronize(void *s) { return 0; }
-int hipStreamWaitEvent(void *s, void *e, unsigned f) { LOG("wait %lx %lx %u", P(s), P(e), f); return 0; }
-int hipEventCreateWithFlags(void **e, unsigned f) { *e = (void *)(uintptr_t)(0x6000 + f); return 0; }
-int hipEventRecord(void *e, void *s) { LOG("record %lx %lx", P(e), P(s)); queries = 0; return 0; }
-int hipEventQuery(void *e) { if (P(e) == 0xdead) return 700; return queries++ < 1 ? 600 : 0; }
-int hipEventSynchronize(void *e) { return 0; }
-int hipEventDestroy(void *e) { return 0; }
-int hipMemcpyAsync(void *d, const void *s, size_t n, int kind, void *st) {
-  if (kind == 0 || kind == 4) memcpy(d, s, n); LOG("memcpy %zu %d %lx", n, kind, P(st)); return 0; }
-int hipHostAlloc(void **p, size_t n, unsigned f) { *p = malloc(n); LOG("hostalloc %zu %u", n, f); return *p ? 0 : 2; }
-int hipHostFree(void *p) { free(p); return 0; }
-const char *hipGetErrorString(int e) { static char b[64]; snprintf(b, sizeof b, "fake hip error %d", e); return b; }
-const char *hipGetErrorName(int e) { static char b[64]; snprintf(b, sizeof b, "hipErrorFake%d", e); return b; }
-"""
-
-
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
@@ -369,15 +326,11 @@ def _compiler() -> str | None:
 def stubs(tmp_path_factory):
     cc = _compiler()
     if cc is None:
-        pytest.skip("no C compiler to build the stub NCCL/HIP libraries")
+        pytest.skip("no C compiler to build the stub NCCL library")
     out = tmp_path_factory.mktemp("stubs")
-    libs = {}
-    for name, src in (("libnccl.so.2", FAKE_NCCL), ("libamdhip64.so", FAKE_HIP)):
-        c_file = out / (name.split(".")[0] + ".c")
-        c_file.write_text(src)
-        subprocess.run([cc, "-shared", "-fPIC", "-o", str(out / name), str(c_file)], check=True)
-        libs[name] = str(out / name)
-    return libs
+    (out / "libnccl.c").write_text(FAKE_NCCL)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out / "libnccl.so.2"), str(out / "libnccl.c")], check=True)
+    return {"libnccl.so.2": str(out / "libnccl.so.2")}
 
 
 def _last(path: str) -> str:
@@ -443,45 +396,6 @@ def test_stub_nccl_wrappers(clean_env, stubs):
     assert _last(path) == "abort 1003"
     nccl.comm_destroy(comm)
     assert _last(path) == "destroy 1003"
-
-
-def test_stub_hip_runtime(clean_env, stubs):
-    path = stubs["libamdhip64.so"]
-    clean_env.setenv("HETCCL_HIP_LIB", path)
-    rt = cudart.load_runtime("amd")
-    assert rt is cudart.load_runtime("hip")
-    assert (rt.vendor, rt.version) == ("hip", (6, 3, 42134))
-    assert rt.device_count() == 0 and "hipErrorFake100" in rt.no_device_reason
-    rt.set_device(0)
-    with pytest.raises(TransportError, match=r"HIP runtime 6.3.42134 SetDevice\(3\) failed: hipErrorFake101 "
-                                             r"\(101\): fake hip error 101; invalid device ordinal"):
-        rt.set_device(3)
-    s = rt.stream_create()
-    assert s == 0x5000 + cudart.STREAM_NON_BLOCKING
-    e = rt.event_create()
-    assert e == 0x6000 + cudart.EVENT_DISABLE_TIMING
-    rt.event_record(e, s)
-    assert _last(path) == f"record {e:x} {s:x}"
-    assert rt.event_query(e) is False and rt.event_query(e) is True
-    assert rt.event_status(0xDEAD) == (cudart.EventStatus.ERROR, 700)
-    with pytest.raises(TransportError, match="illegal address"):
-        rt.event_query(0xDEAD)
-    rt.stream_wait_event(s, e)
-    assert _last(path) == f"wait {s:x} {e:x} 0"
-
-    import numpy as np
-
-    ptr = rt.host_alloc(64)  # through hipHostAlloc: the stub has no hipHostMalloc
-    assert _last(path) == f"hostalloc 64 {cudart.HOST_ALLOC_PORTABLE}"
-    view = np.frombuffer(rt.host_buffer(ptr, 64), np.uint8)
-    src = np.arange(64, dtype=np.uint8)
-    rt.memcpy_async(ptr, src.ctypes.data, 64, cudart.MemcpyKind.HOST_TO_HOST, s)
-    assert _last(path) == f"memcpy 64 0 {s:x}"
-    assert (view == src).all()
-    rt.free_host(ptr)
-    rt.stream_destroy(s)
-    with pytest.raises(ConfigError):
-        rt.host_alloc(0)
 
 
 def test_stub_nccl_found_through_the_wheel_layout(clean_env, tmp_path, stubs):
@@ -557,7 +471,7 @@ def test_real_nccl_header_matches_the_declarations(real_nccl, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# on a GPU machine only (torch with CUDA, a real NCCL and CUDA runtime); skipped everywhere else
+# on a GPU machine only (torch with CUDA and a real NCCL); skipped everywhere else
 
 
 @pytest.fixture(scope="module")
@@ -566,11 +480,10 @@ def gpu():
     if not torch.cuda.is_available():
         pytest.skip("no GPU visible")
     try:
-        nccl, rt = ccl.load_nccl(), cudart.load_runtime("cuda")
+        nccl = ccl.load_nccl()
     except TransportError as exc:
-        pytest.skip(f"no NCCL / CUDA runtime: {exc}")
-    assert rt.device_count() == torch.cuda.device_count()
-    return torch, nccl, rt
+        pytest.skip(f"no NCCL: {exc}")
+    return torch, nccl
 
 
 def _wait(poll, what: str, timeout: float = 120.0):
@@ -586,40 +499,10 @@ def _wait(poll, what: str, timeout: float = 120.0):
         time.sleep(0.001)
 
 
-def test_gpu_runtime_streams_events_pinned_copies(gpu):
-    torch, _, rt = gpu
-    import numpy as np
-
-    rt.set_device(0)
-    assert rt.get_device() == 0
-    n = 1 << 20
-    stream, event = rt.stream_create(), rt.event_create()
-    src, back = rt.host_alloc(n), rt.host_alloc(n)
-    try:
-        host = np.frombuffer(rt.host_buffer(src, n), np.uint8)
-        host[:] = np.arange(n, dtype=np.uint64).astype(np.uint8)
-        dev = torch.empty(n, dtype=torch.uint8, device="cuda:0")
-        rt.memcpy_async(dev.data_ptr(), src, n, cudart.MemcpyKind.HOST_TO_DEVICE, stream)
-        rt.event_record(event, stream)
-        _wait(lambda: True if rt.event_query(event) else None, "event")
-        # torch's stream waits for ours, then reads
-        rt.stream_wait_event(torch.cuda.current_stream(0).cuda_stream, event)
-        assert torch.equal(dev.cpu(), torch.from_numpy(host.copy()))
-        rt.memcpy_async(back, dev.data_ptr(), n, cudart.MemcpyKind.DEVICE_TO_HOST, stream)
-        rt.stream_synchronize(stream)
-        assert (np.frombuffer(rt.host_buffer(back, n), np.uint8) == host).all()
-    finally:
-        rt.stream_synchronize(stream)
-        rt.free_host(src)
-        rt.free_host(back)
-        rt.event_destroy(event)
-        rt.stream_destroy(stream)
-
-
 def test_gpu_nccl_one_rank_non_blocking(gpu, monkeypatch):
-    torch, nccl, rt = gpu
+    torch, nccl = gpu
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    rt.set_device(0)
+    torch.cuda.set_device(0)
     comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0, config=nccl.new_config(blocking=0))
     state = _wait(lambda: (lambda r: None if r == CclResult.IN_PROGRESS else r)(nccl.comm_get_async_error(comm)),
                   "non-blocking init")
@@ -640,7 +523,7 @@ def test_gpu_nccl_one_rank_non_blocking(gpu, monkeypatch):
 
 
 def test_gpu_nccl_two_ranks_one_process(gpu, monkeypatch):
-    torch, nccl, _ = gpu
+    torch, nccl = gpu
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
@@ -680,7 +563,7 @@ def test_gpu_nccl_two_ranks_one_process(gpu, monkeypatch):
 def test_stream_memops_declarations_and_unavailability(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stream memory operations (GPU-signalled cross-island link) parse, and fail with a clear
     Unavailable (a TransportError the link turns into the CPU-signalled fallback) where they cannot run."""
-    from hetccl.vendor import streamops
+    from hetccl.bindings import streamops
 
     ffi = cffi.FFI()
     ffi.cdef(streamops.CDEF)

@@ -626,7 +626,7 @@ def case_nccl_builds() -> None:
     """Every op on islands that each load their own NCCL build (TEST_NCCL_LIBS); each rank then prints the
     library its island used, for the test to check that the builds differ."""
     case_ops("float32")
-    from hetccl.vendor.ccl import load_nccl
+    from hetccl.bindings.ccl import load_nccl
 
     lib = load_nccl()
     print(f"rank {os.environ['RANK']} island {os.environ.get('HETCCL_ISLAND')} nccl "

@@ -8,7 +8,7 @@ buffer on the device. Slots are recycled through consumed counters. The CPU only
 
 Two ways to move the counters, agreed by both leaders when the link is made:
 
-- GPU-signalled (default where the driver has stream memory operations, `vendor/streamops.py`): the copy
+- GPU-signalled (default where the driver has stream memory operations, `bindings/streamops.py`): the copy
   streams write and wait for 32-bit counters in the shared segment themselves, so the whole collective is
   enqueued ahead and runs with no CPU in the loop; the host only waits for the end (with a deadline, and
   watching for a lost peer, in which case it releases the streams by overwriting the counters).
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import native
+from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf
 from ..errors import CollectiveTimeout, ConfigError, PeerLostError, TransportError
 from ..shmseg import Segment
-from ..vendor.streamops import RawEvent
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
 
@@ -350,7 +350,7 @@ class _Mapped:
 
 def _stream_ops(torch: Any, seg: Segment) -> tuple[Any, str]:
     """The stream memory operations, checked on the segment's counters, or (None, why not)."""
-    from ..vendor.streamops import load_streamops
+    from ..bindings.streamops import load_streamops
 
     try:
         ops = load_streamops("hip" if getattr(torch.version, "hip", None) else "cuda")

@@ -11,7 +11,7 @@ chunks of one slot. A step of one chunk is three device operations and no CPU co
   or straight into its buffer (all-gather), and hands the slot back;
 - reduce-scatter only: the caller's stream reduces the scratch into the buffer.
 
-Counters are 32-bit words moved by stream memory operations (vendor/streamops.py), so the whole collective is
+Counters are 32-bit words moved by stream memory operations (bindings/streamops.py), so the whole collective is
 enqueued ahead and runs with no CPU in the loop; the host waits for the end with a deadline and watches for a
 lost peer, whose wait it ends by overwriting the counters. The steps are enqueued step by step over a window of
 chunks, so that a copy stream never waits on a chunk's previous step while later chunks could move.
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from .. import native
+from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf
 from ..errors import PeerLostError, TransportError
 from ..shmseg import Segment
-from ..vendor.streamops import RawEvent
 from .pairlink import SLOTS, shm_room
 from .runtime import reduce_inplace, torch_mod, wait_event
 
@@ -79,7 +79,7 @@ class RingLink:
     @classmethod
     async def create(cls, leaders: Any, device: Any, slot_bytes: int, timeout: float) -> RingLink | None:
         """The ring, or None when some leader cannot take it (every leader gets the same answer)."""
-        from ..vendor.streamops import load_streamops
+        from ..bindings.streamops import load_streamops
 
         torch = torch_mod()
         fab = leaders.fabric

@@ -74,7 +74,7 @@ _DRIVER: dict[str, Any] = {}
 
 def _driver(vendor: str) -> Any:
     if vendor not in _DRIVER:
-        from ..vendor.streamops import Unavailable, load_driver
+        from ..bindings.streamops import Unavailable, load_driver
 
         try:
             _DRIVER[vendor] = load_driver(vendor)
@@ -94,7 +94,7 @@ def record_event(stream: Any, device: int) -> Any:
     ops = _driver("hip" if getattr(torch.version, "hip", None) else "cuda")
     handle = stream if isinstance(stream, int) else stream.cuda_stream
     if ops is not None and torch.cuda.current_device() == device:  # driver events belong to the current context
-        from ..vendor.streamops import RawEvent
+        from ..bindings.streamops import RawEvent
 
         pool = _EVENTS.setdefault(device, [])
         ev = RawEvent(ops, pool.pop() if pool else ops.event(), owned=True, pool=pool)

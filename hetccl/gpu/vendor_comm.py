@@ -57,7 +57,7 @@ class VendorComm:
     async def create(cls, vendor: str, store: Any, key: str, rank: int, size: int, device: int,
                      timeout: float, lost: dict[int, BaseException] | None = None,
                      members: list[int] | None = None) -> VendorComm:
-        from ..vendor.ccl import load_nccl, load_rccl
+        from ..bindings.ccl import load_nccl, load_rccl
 
         lib = load_nccl() if vendor == "nvidia" else load_rccl()
         torch = torch_mod()

@@ -1,5 +1,5 @@
-"""Where the vendor libraries are looked for: the search helpers that the NCCL/RCCL (`ccl`) and CUDA/HIP
-runtime (`cudart`) bindings share, and the error that lists every place searched."""
+"""Where the vendor libraries are looked for: the search helpers of the NCCL/RCCL binding (`ccl`), kept apart
+from the declarations, and the error that lists every place searched."""
 
 from __future__ import annotations
 
@@ -61,23 +61,6 @@ def rocm_lib_dirs() -> list[str]:
         if os.path.normpath(d) not in (os.path.normpath(x) for x in out):
             out.append(d)
     return out
-
-
-def loaded_in_process(stem: str) -> list[str]:
-    """Files already mapped into this process whose name starts with `stem` (e.g. 'libcudart.so'), in
-    the order they appear in /proc/self/maps: what torch or CuPy loaded before us."""
-    found: list[str] = []
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6:
-                    path = parts[5].strip()
-                    if os.path.basename(path).startswith(stem) and path not in found and os.path.isfile(path):
-                        found.append(path)
-    except OSError:
-        pass
-    return found
 
 
 def system_names(find_name: str, sonames: tuple[str, ...]) -> list[str]:
