@@ -8,7 +8,9 @@
    memory inside a host, TCP across hosts), and the transports connect.
 
 A host is identified by hostname, boot id and network namespace, so two network namespaces on one
-machine count as two hosts (that is how the multi-host tests build "hosts").
+machine count as two hosts (that is how the multi-host tests build "hosts"), and by the HETCCL_HOST name a
+rank acts as: ranks on one machine with different names are different hosts (no shared memory, no zero-copy
+link between them), ranks with the same name share memory as usual.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ log = logging.getLogger("hetccl")
 GOODBYE_COMMS = 200  # communicators listed in a goodbye: [id, next seq, op] each, well under NOTICE_MAX_BYTES
 
 
-def host_identity() -> str:
+def host_identity(name: str | None = None) -> str:
+    """This process's host: the machine (hostname, boot id, network namespace), and the HETCCL_HOST name it acts
+    as when one is set (ranks on one machine with different names are different hosts)."""
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
     except OSError:
@@ -56,7 +60,8 @@ def host_identity() -> str:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
     except OSError:
         netns = "?"
-    return f"{socket.gethostname()}/{boot[:8]}/{netns}"
+    machine = f"{socket.gethostname()}/{boot[:8]}/{netns}"
+    return f"{machine}/{name}" if name else machine
 
 
 ISLAND_VENDORS = ("nvidia", "amd", "cpu")
@@ -127,7 +132,8 @@ class Fabric:
         self.endpoints: dict[int, Endpoint] = {}
         self.peer_transport: dict[int, str] = {}
         self.records: list[dict[str, Any]] = []
-        self.topology = Topology([host_identity()])
+        self.host_name = settings.host_name(identity.local_rank)  # HETCCL_HOST (ConfigError if it has no entry)
+        self.topology = Topology([host_identity(self.host_name)])
         self.job = ""
         self.closed = False
         self.lost: dict[int, BaseException] = {}
@@ -193,8 +199,8 @@ class Fabric:
             self.transports.append(t)
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
-        mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "transports": records, "island": island_label()}
+        mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
+                "pid": os.getpid(), "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
         self.topology = Topology([rec["host"] for rec in self.records])

@@ -1,0 +1,123 @@
+"""HETCCL_HOST: ranks on one machine acting as separate hosts (issue 16, item 3).
+
+Ranks with different names reach each other by TCP only (no shared memory, no zero-copy link); ranks with one
+name on one machine still share memory. Checked on real rank processes and real sockets: the transport each
+rank chose per peer, `hetccl topo`, and every collective, through the native API and through the torch
+backend under torchrun (where every rank gets the same environment, so HETCCL_HOST lists one name per local
+rank).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from rankrun import run_ranks
+from test_tools import TOPO_RANK, _hetccl
+
+from hetccl.config import Settings, host_for, parse_host
+from hetccl.errors import ConfigError
+
+# ---- the setting -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,names", [("a", ("a",)), (" box-1.rack_2 ", ("box-1.rack_2",)),
+                                        ("a,a,b,b", ("a", "a", "b", "b")), ("x" * 64, ("x" * 64,))])
+def test_host_names_accepted(text, names):
+    assert parse_host(text) == names
+    assert parse_host(None) == ()
+
+
+@pytest.mark.parametrize("text,why", [("", "empty name"), ("  ", "empty name"), ("a,,b", "empty name"),
+                                      ("a,", "empty name"), ("x" * 65, "must be 1-64"), ("a/b", "must be 1-64"),
+                                      ("a b", "must be 1-64"), ("{local_rank}", "must be 1-64"),
+                                      ("hôte", "must be 1-64")])
+def test_bad_host_names_are_refused_naming_the_variable(text, why):
+    with pytest.raises(ConfigError, match=f"HETCCL_HOST=.*{why}"):
+        Settings.from_env({"HETCCL_HOST": text})
+
+
+def test_one_name_per_local_rank():
+    """A list is indexed by the process's local rank from its launcher (HETCCL_LOCAL_RANK, LOCAL_RANK, ...),
+    else by the local rank init was given; a rank with no entry is an error, never a guess."""
+    assert Settings.from_env({}).host_name(0) is None
+    assert Settings.from_env({"HETCCL_HOST": "a"}).host_name(5) == "a"
+    for var in ("HETCCL_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        s = Settings.from_env({"HETCCL_HOST": "a,a,b,b", var: "2"})
+        assert s.host == "b" and s.host_name(0) == "b", var  # the launcher's local rank wins
+    s = Settings.from_env({"HETCCL_HOST": "a,a,b,b"})
+    assert s.host is None and s.host_name(1) == "a" and s.host_name(3) == "b"
+    with pytest.raises(ConfigError, match="local rank is unknown"):
+        s.host_name(-1)
+    with pytest.raises(ConfigError, match="names 4 hosts, one per local rank, but this process has local rank 4"):
+        Settings.from_env({"HETCCL_HOST": "a,a,b,b", "LOCAL_RANK": "4"})
+    assert host_for((), 3) is None
+
+
+@pytest.mark.timeout(30)
+def test_init_refuses_a_bad_host_before_the_rendezvous(monkeypatch):
+    import hetccl
+
+    monkeypatch.setenv("HETCCL_HOST", "a,b")
+    for var in ("HETCCL_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="names 2 hosts, one per local rank, but this process has local rank 2"):
+        hetccl.run(hetccl.init(rank=2, world_size=3, addr="127.0.0.1:9", timeout=20))
+
+
+def test_info_shows_the_host(monkeypatch):
+    from hetccl.info import host_line
+
+    monkeypatch.setenv("HETCCL_HOST", "a,b")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("HETCCL_LOCAL_RANK", raising=False)
+    assert host_line().endswith("/b (HETCCL_HOST: acts as host 'b')")
+    monkeypatch.setenv("HETCCL_HOST", "a b")
+    proc = _hetccl("info", env={"HETCCL_HOST": "a b"})
+    assert proc.returncode == 0 and "refused: HETCCL_HOST='a b'" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- real ranks ------------------------------------------------------------------------------------------
+
+HOSTS = ["a", "a", "b", "b"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
+def test_two_hosts_on_one_machine(transports):
+    """4 ranks, HETCCL_HOST=a,a,b,b: shared memory inside each host, TCP across (every rank checks the transport
+    it chose per peer and the topology), then every collective and send/recv."""
+    run_ranks(4, "workers:every_op", env={"HETCCL_HOST": ",".join(HOSTS), "HETCCL_TRANSPORTS": transports},
+              timeout=110, hosts=HOSTS, counts=[0, 1, 7, 4099, 70_000], dtypes=["float32", "bfloat16", "int64"],
+              ops=["sum", "max", "avg"])
+
+
+@pytest.mark.timeout(90)
+def test_topo_shows_the_hosts():
+    proc = _hetccl("run", "-n", "4", "--no-tag-output", "--", sys.executable, "-c", TOPO_RANK, "topo", "--json",
+                   env={"HETCCL_HOST": "a,a,b,b"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    topo = json.loads(proc.stdout)
+    assert [r["host_name"] for r in topo["ranks"]] == HOSTS
+    assert len({r["host"] for r in topo["ranks"]}) == 2
+    assert [r["local_rank"] for r in topo["ranks"]] == [0, 1, 0, 1]
+    for p in topo["pairs"]:
+        same = HOSTS[p["a"]] == HOSTS[p["b"]]
+        assert p["same_host"] == same and p["transport"] == ("shm" if same else "tcp"), p
+    assert topo["world"]["kind"] == "tcp"
+    proc = _hetccl("run", "-n", "4", "--", sys.executable, "-c", TOPO_RANK, "topo",
+                   env={"HETCCL_HOST": "a,a,b,b", "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 rank(s), 2 host(s)" in proc.stdout and "/a " in proc.stdout and "/b " in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_torch_backend_under_torchrun_on_two_hosts():
+    """torchrun --standalone --nproc-per-node 4, every rank with HETCCL_HOST=a,a,b,b (the entry of its
+    LOCAL_RANK): each rank checks its fabric, then every op of the torch backend on CPU tensors."""
+    pytest.importorskip("torch")
+    from test_torch_backend import run_torchrun
+
+    run_torchrun(4, "ops", "float32", env={"HETCCL_HOST": ",".join(HOSTS), "TEST_CHECK_HOSTS": ",".join(HOSTS)},
+                 timeout=140)
