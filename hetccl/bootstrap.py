@@ -150,6 +150,8 @@ class Fabric:
         observe.setup(identity)
         island_label()  # a bad HETCCL_ISLAND is a ConfigError before anything is sent
         fab = cls(identity, settings)
+        if fab.host_name is not None:  # the vendor CCL inside an island tells these hosts apart too
+            os.environ.setdefault("NCCL_HOSTID", fab.topology.hosts[0])
         try:
             await fab._bootstrap()
         except BaseException:
