@@ -137,11 +137,13 @@ def check_hosts(fab: object, hosts: list[str]) -> None:
 
 
 async def every_op(comm: hetccl.Communicator, hosts: list[str] | None = None, **matrix_args: object) -> None:
-    """Every collective (matrix), then send/recv (p2p); first, with `hosts`, the fabric HETCCL_HOST made."""
+    """Every collective (matrix), then send/recv (p2p) and collectives in flight at once (concurrent); first,
+    with `hosts`, the fabric HETCCL_HOST made."""
     if hosts:
         check_hosts(comm._fabric, hosts)
     await matrix(comm, **matrix_args)  # type: ignore[arg-type]
     await p2p(comm)
+    await concurrent(comm, k=8)
 
 
 async def in_place_variants(comm: hetccl.Communicator) -> None:
