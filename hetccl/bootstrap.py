@@ -23,7 +23,7 @@ import secrets
 import socket
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -105,9 +105,22 @@ def island_label() -> str:
 @dataclass
 class Topology:
     hosts: list[str]  # host id of every rank
+    # machine of every rank (its host id without the HETCCL_HOST name): what ranks acting as different hosts
+    # still share, CPUs and network ports; empty: one host per machine
+    machines: list[str] = field(default_factory=list)
 
     def same_host(self, a: int, b: int) -> bool:
         return self.hosts[a] == self.hosts[b]
+
+    def machine_ranks(self, rank: int) -> list[int]:
+        """Every rank on this rank's machine, whatever host it acts as."""
+        if not self.machines:
+            return self.local_ranks(rank)
+        return [r for r, m in enumerate(self.machines) if m == self.machines[rank]]
+
+    def machine_rank(self, rank: int) -> int:
+        """This rank's index among the ranks on its machine (the local rank when HETCCL_HOST is unset)."""
+        return self.machine_ranks(rank).index(rank)
 
     def local_ranks(self, rank: int) -> list[int]:
         return [r for r, h in enumerate(self.hosts) if h == self.hosts[rank]]
@@ -202,11 +215,13 @@ class Fabric:
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
-                "pid": os.getpid(), "transports": records, "island": island_label()}
+                "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
-        self.topology = Topology([rec["host"] for rec in self.records])
+        self.topology = Topology([rec["host"] for rec in self.records],
+                                 [rec.get("machine", rec["host"]) for rec in self.records])
         ctx.local_ranks = self.topology.local_ranks(rank)
+        ctx.machine_ranks = self.topology.machine_ranks(rank)
         # choose a transport per peer: highest priority that both sides have and that reaches the peer
         plan: dict[str, dict[int, dict[str, Any]]] = {t.name: {} for t in self.transports}
         for peer in range(size):

@@ -121,3 +121,30 @@ def test_torch_backend_under_torchrun_on_two_hosts():
 
     run_torchrun(4, "ops", "float32", env={"HETCCL_HOST": ",".join(HOSTS), "TEST_CHECK_HOSTS": ",".join(HOSTS)},
                  timeout=140)
+
+
+@pytest.mark.timeout(90)
+def test_metrics_ports_count_every_rank_on_the_machine():
+    """Ranks acting as different hosts still share the machine's ports: HETCCL_METRICS_PORT + the rank's index
+    on the machine, not its local rank on its host (both ranks of HETCCL_HOST=a,b are local rank 0)."""
+    pytest.importorskip("prometheus_client")
+    from test_observe import _free_port_pair
+
+    run_ranks(2, "test_hosts:scrape_each_other", env={"HETCCL_HOST": "a,b", "HETCCL_METRICS_PORT":
+                                                      str(_free_port_pair())})
+
+
+async def scrape_each_other(comm) -> None:
+    """(In the rank processes.) Rank q serves at base + q; each rank reads both exporters."""
+    import asyncio
+    import os
+
+    from observe_workers import _scrape
+
+    fab = comm._fabric
+    assert fab.topology.local_rank(comm.rank) == 0 and fab.topology.machine_rank(comm.rank) == comm.rank
+    base = int(os.environ["HETCCL_METRICS_PORT"])
+    for q in range(comm.size):
+        text = await asyncio.to_thread(_scrape, base + q)
+        assert f'rank="{q}"' in text, text[-2000:]
+    await comm.barrier()

@@ -134,6 +134,10 @@ def check_hosts(fab: object, hosts: list[str]) -> None:
     assert fab.peer_transport == want, f"rank {r}: peer_transport {fab.peer_transport} != {want}"  # type: ignore
     remote = [p for p in range(n) if p not in local]
     assert not remote or fab.transport_kind(remote) == "tcp"  # type: ignore[attr-defined]
+    # still one machine: its CPUs (shm's spinning) and ports (metrics) are counted over every rank
+    assert topo.machine_ranks(r) == list(range(n)) and topo.machine_rank(r) == r, topo
+    for t in fab.transports:  # type: ignore[attr-defined]
+        assert t.ctx.machine_ranks == list(range(n)), (t.name, t.ctx.machine_ranks)
 
 
 async def every_op(comm: hetccl.Communicator, hosts: list[str] | None = None, **matrix_args: object) -> None:
