@@ -39,12 +39,12 @@ def layout_env(layout: str, path: str) -> tuple[int, dict[str, str], list[str] |
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_islands_every_collective(layout: str, path: str) -> None:
-    """The native API on host memory: every collective x op on counts 0, 1, odd and chunked (4 KiB chunks),
-    then send/recv and many collectives in flight; with "hosts", each rank first checks shm inside a host
-    and TCP across."""
+    """The native API on host memory: every collective x op on counts 0, 1, 2, odd and chunked (4 KiB chunks;
+    the counts make every rank a root), then send/recv and many collectives in flight; with "hosts", each rank
+    first checks shm inside a host and TCP across."""
     n, env, hosts = layout_env(layout, path)
     env["HETCCL_CHUNK_BYTES"] = "4096"
-    run_ranks(n, "workers:every_op", env=env, timeout=140, hosts=hosts, counts=[0, 1, 7, 4099],
+    run_ranks(n, "workers:every_op", env=env, timeout=140, hosts=hosts, counts=[0, 1, 2, 7, 4099],
               dtypes=["int32", "bfloat16", "float32"], ops=["sum", "prod", "min", "max", "avg"])
 
 
