@@ -145,7 +145,7 @@ class Fabric:
         self.endpoints: dict[int, Endpoint] = {}
         self.peer_transport: dict[int, str] = {}
         self.records: list[dict[str, Any]] = []
-        self.host_name = settings.host_name(identity.local_rank)  # HETCCL_HOST (ConfigError if it has no entry)
+        self.host_name = settings.host  # HETCCL_HOST
         self.topology = Topology([host_identity(self.host_name)])
         self.job = ""
         self.closed = False

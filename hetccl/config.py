@@ -91,7 +91,8 @@ _HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX
 
 def parse_host(text: str | None) -> tuple[str, ...]:
     """HETCCL_HOST: the host this rank acts as, on top of the machine it runs on. One name (``a``) for every
-    rank that reads it, or a comma list (``a,a,b,b``) from which the rank with local rank i takes entry i.
+    rank that reads it, or a comma list (``a,a,b,b``) from which the process with local rank i (as its launcher
+    set it in the environment: env_local_rank) takes entry i.
     Names are 1-64 of ``A-Z a-z 0-9 . _ -``. () when unset; set but empty is an error (unset it instead)."""
     if text is None:
         return ()
@@ -116,16 +117,17 @@ def env_local_rank(env: Mapping[str, str]) -> int | None:
 
 
 def host_for(names: tuple[str, ...], local_rank: int | None) -> str | None:
-    """The HETCCL_HOST name of the rank with `local_rank` (None or < 0: unknown); None when HETCCL_HOST is
-    unset. A list needs a local rank inside it."""
+    """The HETCCL_HOST name of the process whose launcher gave it `local_rank` (None: no launcher said); None when
+    HETCCL_HOST is unset. A list needs a local rank inside it."""
     if not names:
         return None
     if len(names) == 1:
         return names[0]
     listed = ",".join(names)
     if local_rank is None or local_rank < 0:
-        raise ConfigError(f"HETCCL_HOST={listed!r} gives one host per local rank, but this process's local rank is "
-                          "unknown; set HETCCL_LOCAL_RANK (or LOCAL_RANK), or give a single name")
+        raise ConfigError(f"HETCCL_HOST={listed!r} gives one host per local rank, but no local rank is set in this "
+                          "process's environment (HETCCL_LOCAL_RANK, LOCAL_RANK, SLURM_LOCALID or "
+                          "OMPI_COMM_WORLD_LOCAL_RANK); set one, or give this process a single name")
     if local_rank >= len(names):
         raise ConfigError(f"HETCCL_HOST={listed!r} names {len(names)} hosts, one per local rank, but this process "
                           f"has local rank {local_rank}; list a host for every local rank")
@@ -266,8 +268,7 @@ class Settings:
     ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
     ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
     wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
-    hosts: tuple[str, ...] = ()  # HETCCL_HOST as written: one name, or one per local rank
-    host: str | None = None  # this process's HETCCL_HOST name, where its launcher says its local rank
+    host: str | None = None  # HETCCL_HOST: the host this process acts as (its entry, for a list)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -294,12 +295,5 @@ class Settings:
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
-        s.hosts = parse_host(env.get("HETCCL_HOST"))
-        if len(s.hosts) == 1 or (s.hosts and env_local_rank(env) is not None):
-            s.host = host_for(s.hosts, env_local_rank(env))
+        s.host = host_for(parse_host(env.get("HETCCL_HOST")), env_local_rank(env))
         return s
-
-    def host_name(self, local_rank: int | None) -> str | None:
-        """The HETCCL_HOST name this process acts as (None: unset): the one resolved from the environment's local
-        rank, else the entry of `local_rank` (the one passed to init)."""
-        return self.host if self.host is not None else host_for(self.hosts, local_rank)
