@@ -75,6 +75,25 @@ def test_info_shows_the_host(monkeypatch):
     assert proc.returncode == 0 and "refused: HETCCL_HOST='a b'" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("names,link", [(("a", "a"), True), (("a", "b"), False), ((None, None), True),
+                                        (("a", None), False)])
+def test_zero_copy_link_only_between_leaders_of_one_host(monkeypatch, names, link):
+    """The link between two GPU leaders is made only where the topology says they share a host: with
+    HETCCL_HOST names a and b (or one named and one not) they stage through the transports instead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hetccl.bootstrap import Topology, host_identity
+    from hetccl.gpu import dispatch
+
+    monkeypatch.delenv("HETCCL_PAIRLINK", raising=False)
+    fab = SimpleNamespace(topology=Topology([host_identity(x) for x in names]),
+                          records=[{"island": "nvidia-0"}, {"island": "nvidia-1"}])
+    lay = SimpleNamespace(leaders=SimpleNamespace(size=2, _members=[0, 1]), pairlink="the link")
+    got = asyncio.run(dispatch._pairlink(SimpleNamespace(_fabric=fab), lay, None))
+    assert got == ("the link" if link else None)
+
+
 # ---- real ranks ------------------------------------------------------------------------------------------
 
 HOSTS = ["a", "a", "b", "b"]
