@@ -8,7 +8,9 @@
    memory inside a host, TCP across hosts), and the transports connect.
 
 A host is identified by hostname, boot id and network namespace, so two network namespaces on one
-machine count as two hosts (that is how the multi-host tests build "hosts").
+machine count as two hosts (that is how the multi-host tests build "hosts"), and by the HETCCL_HOST name a
+rank acts as: ranks on one machine with different names are different hosts (no shared memory, no zero-copy
+link between them), ranks with the same name share memory as usual.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,7 +50,9 @@ log = logging.getLogger("hetccl")
 GOODBYE_COMMS = 200  # communicators listed in a goodbye: [id, next seq, op] each, well under NOTICE_MAX_BYTES
 
 
-def host_identity() -> str:
+def host_identity(name: str | None = None) -> str:
+    """This process's host: the machine (hostname, boot id, network namespace), and the HETCCL_HOST name it acts
+    as when one is set (ranks on one machine with different names are different hosts)."""
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
     except OSError:
@@ -57,15 +61,29 @@ def host_identity() -> str:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
     except OSError:
         netns = "?"
-    return f"{socket.gethostname()}/{boot[:8]}/{netns}"
+    machine = f"{socket.gethostname()}/{boot[:8]}/{netns}"
+    return f"{machine}/{name}" if name else machine
 
 
 @dataclass
 class Topology:
     hosts: list[str]  # host id of every rank
+    # machine of every rank (its host id without the HETCCL_HOST name): what ranks acting as different hosts
+    # still share, CPUs and network ports; empty: one host per machine
+    machines: list[str] = field(default_factory=list)
 
     def same_host(self, a: int, b: int) -> bool:
         return self.hosts[a] == self.hosts[b]
+
+    def machine_ranks(self, rank: int) -> list[int]:
+        """Every rank on this rank's machine, whatever host it acts as."""
+        if not self.machines:
+            return self.local_ranks(rank)
+        return [r for r, m in enumerate(self.machines) if m == self.machines[rank]]
+
+    def machine_rank(self, rank: int) -> int:
+        """This rank's index among the ranks on its machine (the local rank when HETCCL_HOST is unset)."""
+        return self.machine_ranks(rank).index(rank)
 
     def local_ranks(self, rank: int) -> list[int]:
         return [r for r, h in enumerate(self.hosts) if h == self.hosts[rank]]
@@ -90,7 +108,8 @@ class Fabric:
         self.endpoints: dict[int, Endpoint] = {}
         self.peer_transport: dict[int, str] = {}
         self.records: list[dict[str, Any]] = []
-        self.topology = Topology([host_identity()])
+        self.host_name = settings.host  # HETCCL_HOST
+        self.topology = Topology([host_identity(self.host_name)])
         self.job = ""
         self.closed = False
         self.lost: dict[int, BaseException] = {}
@@ -110,6 +129,8 @@ class Fabric:
         observe.setup(identity)
         island_label()  # a bad HETCCL_ISLAND is a ConfigError before anything is sent
         fab = cls(identity, settings)
+        if fab.host_name is not None:  # the vendor CCL inside an island tells these hosts apart too
+            os.environ.setdefault("NCCL_HOSTID", fab.topology.hosts[0])
         try:
             await fab._bootstrap()
         except BaseException:
@@ -159,12 +180,14 @@ class Fabric:
             self.transports.append(t)
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
-        mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "pid": os.getpid(),
-                "transports": records, "island": island_label()}
+        mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
+                "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label()}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
-        self.topology = Topology([rec["host"] for rec in self.records])
+        self.topology = Topology([rec["host"] for rec in self.records],
+                                 [rec.get("machine", rec["host"]) for rec in self.records])
         ctx.local_ranks = self.topology.local_ranks(rank)
+        ctx.machine_ranks = self.topology.machine_ranks(rank)
         # choose a transport per peer: highest priority that both sides have and that reaches the peer
         plan: dict[str, dict[int, dict[str, Any]]] = {t.name: {} for t in self.transports}
         for peer in range(size):

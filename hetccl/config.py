@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
@@ -26,7 +27,7 @@ _RANK_SOURCES = (
 )
 
 
-def _env_int(name: str, env: dict[str, str]) -> int:
+def _env_int(name: str, env: Mapping[str, str]) -> int:
     raw = env.get(name)
     try:
         return int(raw)  # type: ignore[arg-type]
@@ -82,6 +83,55 @@ def parse_ib_devices(text: str) -> list[tuple[str, int]]:
             raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r}: port must be 1..255")
         out.append((name, num))
     return out
+
+
+HOST_NAME_MAX = 64
+_HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def parse_host(text: str | None) -> tuple[str, ...]:
+    """HETCCL_HOST: the host this rank acts as, on top of the machine it runs on. One name (``a``) for every
+    rank that reads it, or a comma list (``a,a,b,b``) from which the process with local rank i (as its launcher
+    set it in the environment: env_local_rank) takes entry i.
+    Names are 1-64 of ``A-Z a-z 0-9 . _ -``. () when unset; set but empty is an error (unset it instead)."""
+    if text is None:
+        return ()
+    names = tuple(t.strip() for t in str(text).split(","))
+    for name in names:
+        if not name:
+            raise ConfigError(f"HETCCL_HOST={text!r} has an empty name; write one name (HETCCL_HOST=a) or one per "
+                              "local rank (HETCCL_HOST=a,a,b,b), or unset HETCCL_HOST")
+        if len(name) > HOST_NAME_MAX or not set(name) <= _HOST_NAME_CHARS:
+            raise ConfigError(f"HETCCL_HOST={text!r}: host name {name[:80]!r} must be 1-{HOST_NAME_MAX} letters, "
+                              "digits, '.', '_' or '-'")
+    return names
+
+
+def env_local_rank(env: Mapping[str, str]) -> int | None:
+    """This process's local rank as its launcher set it (HETCCL_LOCAL_RANK, LOCAL_RANK, SLURM_LOCALID,
+    OMPI_COMM_WORLD_LOCAL_RANK, the first one set), None if none is."""
+    for _source, _rank_var, _size_var, local_var in _RANK_SOURCES:
+        if local_var in env:
+            return _env_int(local_var, env)
+    return None
+
+
+def host_for(names: tuple[str, ...], local_rank: int | None) -> str | None:
+    """The HETCCL_HOST name of the process whose launcher gave it `local_rank` (None: no launcher said); None when
+    HETCCL_HOST is unset. A list needs a local rank inside it."""
+    if not names:
+        return None
+    if len(names) == 1:
+        return names[0]
+    listed = ",".join(names)
+    if local_rank is None or local_rank < 0:
+        raise ConfigError(f"HETCCL_HOST={listed!r} gives one host per local rank, but no local rank is set in this "
+                          "process's environment (HETCCL_LOCAL_RANK, LOCAL_RANK, SLURM_LOCALID or "
+                          "OMPI_COMM_WORLD_LOCAL_RANK); set one, or give this process a single name")
+    if local_rank >= len(names):
+        raise ConfigError(f"HETCCL_HOST={listed!r} names {len(names)} hosts, one per local rank, but this process "
+                          f"has local rank {local_rank}; list a host for every local rank")
+    return names[local_rank]
 
 
 def parse_ib_gid_index(text: str | None) -> int | None:
@@ -218,6 +268,7 @@ class Settings:
     ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
     ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
     wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
+    host: str | None = None  # HETCCL_HOST: the host this process acts as (its entry, for a list)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -244,6 +295,7 @@ class Settings:
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
+        s.host = host_for(parse_host(env.get("HETCCL_HOST")), env_local_rank(env))
         return s
 
 

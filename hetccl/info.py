@@ -43,6 +43,10 @@ def collect() -> dict[str, object]:
     from .errors import ConfigError
 
     try:
+        out["host"] = host_line()
+    except ConfigError as exc:  # a bad HETCCL_HOST
+        out["host"] = f"refused: {exc}"
+    try:
         out["island"] = island_label()
     except ConfigError as exc:  # a bad HETCCL_ISLAND: say why, as for the rest
         out["island"] = f"refused: {exc}"
@@ -57,6 +61,19 @@ def collect() -> dict[str, object]:
             vendors[name] = f"unavailable: {' '.join(str(exc).split())}"
     out["vendor_ccl"] = vendors
     return out
+
+
+def host_line() -> str:
+    """This process's host identity (machine / boot id / network namespace [/ HETCCL_HOST name]): ranks with
+    different ones never share memory."""
+    from .bootstrap import host_identity
+    from .config import env_local_rank, host_for, parse_host
+
+    names, local = parse_host(os.environ.get("HETCCL_HOST")), env_local_rank(os.environ)
+    if len(names) > 1 and local is None:
+        return f"{host_identity()}, and as HETCCL_HOST the entry of its local rank in {','.join(names)}"
+    name = host_for(names, local)
+    return host_identity(name) + (f" (HETCCL_HOST: acts as host {name!r})" if name else "")
 
 
 def wrap(first: str, text: str, width: int | None = None) -> str:

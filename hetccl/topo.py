@@ -42,7 +42,7 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
     return {
         "size": fab.size,
         "ranks": [{"rank": r, "hostname": rec.get("hostname", "?"), "host": rec.get("host", "?"),
-                   "pid": rec.get("pid"), "island": rec.get("island", "cpu"),
+                   "host_name": rec.get("host_name"), "pid": rec.get("pid"), "island": rec.get("island", "cpu"),
                    "local_rank": fab.topology.local_rank(r)} for r, rec in enumerate(fab.records)],
         "islands": islands,
         "pairs": pairs,
@@ -71,7 +71,7 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
     for col in ("island", "ranks", "hosts", "leader"):
         t.add_column(col)
     for isl, ranks in topo["islands"].items():
-        hs = sorted({topo["ranks"][r]["hostname"] for r in ranks})
+        hs = sorted({host_label(topo["ranks"][r]) for r in ranks})
         t.add_row(isl, _ranges(ranks), ", ".join(hs), str(ranks[0]))
     console.print(t)
 
@@ -79,7 +79,7 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
     for col in ("rank", "host", "local rank", "pid", "island"):
         t.add_column(col, justify="right" if col in ("rank", "local rank", "pid") else "left")
     for r in topo["ranks"]:
-        t.add_row(str(r["rank"]), r["hostname"], str(r["local_rank"]), str(r["pid"]), r["island"])
+        t.add_row(str(r["rank"]), host_label(r), str(r["local_rank"]), str(r["pid"]), r["island"])
     console.print(t)
 
     pairs = topo["pairs"]
@@ -111,6 +111,12 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
     for op in ("all_to_all", "gather", "scatter"):
         t.add_row(op, "direct")
     console.print(t)
+
+
+def host_label(rank: dict[str, Any]) -> str:
+    """How a rank's host is shown: its hostname, and the HETCCL_HOST name it acts as ("box/a")."""
+    name = rank.get("host_name")
+    return f"{rank['hostname']}/{name}" if name else rank["hostname"]
 
 
 def _ranges(ranks: list[int]) -> str:

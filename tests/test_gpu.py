@@ -40,6 +40,31 @@ def test_two_gpus_and_two_cpu_ranks() -> None:
               counts=[0, 1, 7, 1000, 100_003], dtypes=["float32", "bfloat16", "int64", "float16"])
 
 
+# three and four islands (issue 16, item 4): each process its own island on GPU local_rank % device_count (one
+# GPU will do: every island's NCCL communicator has one rank), GPU islands alone and mixed with CPU islands, on each
+# cross path (beyond two leaders the zero-copy link is not used; "hosts": every rank its own HETCCL_HOST)
+MANY_ISLANDS = ["nvidia-0,nvidia-1,nvidia-2", "nvidia-0,nvidia-1,nvidia-2,nvidia-3", "nvidia-0,nvidia-1,cpu-a",
+                "nvidia-0,cpu-a,nvidia-1,cpu-b"]
+
+
+@needs_1
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", ["shm", "tcp", "hosts"])
+@pytest.mark.parametrize("islands", MANY_ISLANDS)
+def test_many_islands_native(islands: str, path: str) -> None:
+    """gpu_matrix on device memory (host memory on CPU islands): all_reduce with every op, reduce_scatter,
+    all_gather, broadcast, reduce, all_to_all, stream order, CuPy / DLPack inputs, barrier; gather, scatter and
+    send/recv are checked through the torch backend (tests/test_torch_gpu.py, test_many_islands_every_op)."""
+    n = islands.count(",") + 1
+    env = dict(GPU_ENV, TEST_ISLANDS=islands)
+    if path == "tcp":
+        env["HETCCL_TRANSPORTS"] = "tcp"
+    elif path == "hosts":
+        env["HETCCL_HOST"] = ",".join(f"h{i}" for i in range(n))
+    run_ranks(n, "gpu_workers:gpu_matrix", env=env, timeout=880, counts=[0, 1, 7, 1000, 100_003, 3 << 20],
+              dtypes=["float32", "bfloat16", "int64"])
+
+
 @needs_2
 @pytest.mark.timeout(120)
 def test_gpu_dead_peer_one_island() -> None:

@@ -89,10 +89,11 @@ def test_fsdp2_cuda_matches_nccl(tmp_path, variant):
 
 
 # --- two islands under torchrun, every GPU visible to every rank (torchrun's default) -------------------------
-# rank i is island nvidia-i on GPU i; the three ways between islands: the zero-copy link, host staging over
-# shared memory, and TCP standing in for two hosts
+# rank i is island nvidia-i on GPU i; the ways between islands: the zero-copy link, host staging over shared
+# memory, TCP, and each rank acting as its own host (HETCCL_HOST, one name per local rank: no link, no shm)
 TWO_ISLANDS = {**CUDA_ENV, "TEST_ISLANDS": "nvidia-0,nvidia-1"}
-PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}}
+PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"},
+         "hosts": {"HETCCL_HOST": "h0,h1", "TEST_CHECK_HOSTS": "h0,h1"}}
 
 
 @needs_2
@@ -143,6 +144,46 @@ def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
     for r in range(2):
         close(res["hetccl"][r]["losses"], res["nccl"][r]["losses"], 1e-5, f"rank {r} FSDP2 losses ({path})")
         close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({path})")
+
+
+# --- three and four islands (issue 16, item 4) ------------------------------------------------------------------
+# n processes under torchrun, every GPU visible, rank i is island nvidia-i on GPU i % device_count: with fewer GPUs
+# than islands, several islands share a GPU (each island's NCCL communicator has one rank), so one GPU will do.
+# Beyond two islands the zero-copy link is not used: "link" (the default settings) stages through shared memory
+# like "shm", and "hosts" makes every rank its own host (HETCCL_HOST=h0,h1,...), so TCP joins them.
+def _islands_env(islands: str, path: str, hosts: str | None = None) -> dict[str, str]:
+    n = islands.count(",") + 1
+    env = {**CUDA_ENV, "TEST_ISLANDS": islands, **PATHS[path]}
+    if path == "hosts":
+        hosts = hosts or ",".join(f"h{i}" for i in range(n))
+        env.update(HETCCL_HOST=hosts, TEST_CHECK_HOSTS=hosts)
+    return env
+
+
+@needs_1
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("n", [3, 4])
+def test_many_islands_every_op(n, path):
+    """Every op (ops: each reduce op, AVG, PREMUL_SUM, all_gather, reduce_scatter, broadcast and reduce from every
+    root, all_to_all, gather, scatter, send/recv, barrier), async work, and collectives in flight fed from a side
+    stream, with every process its own island, on each cross-island path."""
+    env = _islands_env(",".join(f"nvidia-{i}" for i in range(n)), path)
+    run_torchrun(n, "ops", "float32", env=env, timeout=280)
+    run_torchrun(n, "ops", "bfloat16", env=env, timeout=280)
+    run_torchrun(n, "async", env=env, timeout=280)
+    run_torchrun(n, "inflight", env=env, timeout=280)
+
+
+@needs_2
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_unequal_islands_every_op(path):
+    """Islands of 2, 1 and 1 ranks (nvidia-a on GPUs 0 and 1, nvidia-b and nvidia-c on GPUs 0 and 1 again); with
+    "hosts" each island is its own host."""
+    env = _islands_env("nvidia-a,nvidia-a,nvidia-b,nvidia-c", path, hosts="a,a,b,c")
+    run_torchrun(4, "ops", "float32", env=env, timeout=280)
+    run_torchrun(4, "inflight", env=env, timeout=280)
 
 
 @needs_2

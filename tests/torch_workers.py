@@ -41,6 +41,11 @@ def _device() -> torch.device:
 def _init(backend: str = "hetccl") -> torch.device:
     dev = _device()
     dist.init_process_group(backend)
+    if backend == "hetccl" and os.environ.get("TEST_CHECK_HOSTS"):  # HETCCL_HOST's name of every rank: check
+        from workers import check_hosts
+
+        pg = dist.distributed_c10d._get_default_group()._get_backend(dev)
+        check_hosts(pg.comm.async_comm._fabric, os.environ["TEST_CHECK_HOSTS"].split(","))
     return dev
 
 

@@ -120,6 +120,37 @@ async def matrix(comm: hetccl.Communicator, counts: list[int], dtypes: list[str]
     await comm.barrier()
 
 
+def check_hosts(fab: object, hosts: list[str]) -> None:
+    """The job ran with HETCCL_HOST giving job rank p the host name hosts[p] (all on this machine): ranks with one
+    name are one host and share memory (unless HETCCL_TRANSPORTS leaves shm out), ranks with different names
+    reach each other by TCP only (verbs where an RDMA device is up); the cost model sees "tcp" across."""
+    r, n = fab.rank, fab.size  # type: ignore[attr-defined]
+    assert [rec.get("host_name") for rec in fab.records] == hosts, (fab.records, hosts)  # type: ignore[attr-defined]
+    topo = fab.topology  # type: ignore[attr-defined]
+    local = [p for p in range(n) if hosts[p] == hosts[r]]
+    assert topo.num_hosts == len(set(hosts)) and topo.local_ranks(r) == local, (topo.hosts, hosts)
+    shm = "shm" in (fab.settings.transports or ["shm"])  # type: ignore[attr-defined]
+    across = "verbs" if "verbs" in [t.name for t in fab.transports] else "tcp"  # type: ignore[attr-defined]
+    want = {p: "shm" if shm and p in local else across for p in range(n) if p != r}
+    assert fab.peer_transport == want, f"rank {r}: peer_transport {fab.peer_transport} != {want}"  # type: ignore
+    remote = [p for p in range(n) if p not in local]
+    assert not remote or fab.transport_kind(remote) == "tcp"  # type: ignore[attr-defined]
+    # still one machine: its CPUs (shm's spinning) and ports (metrics) are counted over every rank
+    assert topo.machine_ranks(r) == list(range(n)) and topo.machine_rank(r) == r, topo
+    for t in fab.transports:  # type: ignore[attr-defined]
+        assert t.ctx.machine_ranks == list(range(n)), (t.name, t.ctx.machine_ranks)
+
+
+async def every_op(comm: hetccl.Communicator, hosts: list[str] | None = None, **matrix_args: object) -> None:
+    """Every collective (matrix), then send/recv (p2p) and collectives in flight at once (concurrent); first,
+    with `hosts`, the fabric HETCCL_HOST made."""
+    if hosts:
+        check_hosts(comm._fabric, hosts)
+    await matrix(comm, **matrix_args)  # type: ignore[arg-type]
+    await p2p(comm)
+    await concurrent(comm, k=8)
+
+
 async def in_place_variants(comm: hetccl.Communicator) -> None:
     n, r = comm.size, comm.rank
     # all_gather in place: inp is this rank's slice of out

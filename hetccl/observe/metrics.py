@@ -69,7 +69,7 @@ class Metrics:
     def start(cls, fab: Any, raw_port: str, addr: str) -> Metrics:
         pc = require_client()
         local = fab.topology.local_rank(fab.rank)
-        port = parse_port(raw_port) + local
+        port = parse_port(raw_port) + fab.topology.machine_rank(fab.rank)  # HETCCL_HOST hosts share the machine
         m = cls(fab, pc.CollectorRegistry())
         rec = fab.records[fab.rank] if fab.records else {}
         m.info.labels(str(fab.rank), str(fab.size), str(local), rec.get("island", "?"),

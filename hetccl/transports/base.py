@@ -60,6 +60,8 @@ class TransportContext:
     store: StoreClient
     bind_host: str
     local_ranks: list[int] = field(default_factory=list)  # filled after the topology exchange
+    # every rank on this machine, also those acting as other hosts (HETCCL_HOST): they share its CPUs
+    machine_ranks: list[int] = field(default_factory=list)
     # transports report a lost peer here; the fabric then fails every pending operation, on every endpoint,
     # with that error (a collective stuck on a healthy peer must not outwait the dead one)
     on_peer_lost: Callable[[int, BaseException], None] = lambda peer, exc: None

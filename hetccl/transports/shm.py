@@ -316,7 +316,7 @@ class ShmTransport(Transport):
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         ctx = self.ctx
         local = sorted(ctx.local_ranks)
-        oversubscribed = len(local) > self._ncpu
+        oversubscribed = len(ctx.machine_ranks or local) > self._ncpu  # every rank on the machine spins here
         self.spin_ns, self.yield_ns = (2_000, 100_000) if oversubscribed else (50_000, 0)
         if not peers:
             return {}

@@ -1,0 +1,166 @@
+"""HETCCL_HOST: ranks on one machine acting as separate hosts (issue 16, item 3).
+
+Ranks with different names reach each other by TCP only (no shared memory, no zero-copy link); ranks with one
+name on one machine still share memory. Checked on real rank processes and real sockets: the transport each
+rank chose per peer, `hetccl topo`, and every collective, through the native API and through the torch
+backend under torchrun (where every rank gets the same environment, so HETCCL_HOST lists one name per local
+rank).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from rankrun import run_ranks
+from test_tools import TOPO_RANK, _hetccl
+
+from hetccl.config import Settings, host_for, parse_host
+from hetccl.errors import ConfigError
+
+# ---- the setting -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,names", [("a", ("a",)), (" box-1.rack_2 ", ("box-1.rack_2",)),
+                                        ("a,a,b,b", ("a", "a", "b", "b")), ("x" * 64, ("x" * 64,))])
+def test_host_names_accepted(text, names):
+    assert parse_host(text) == names
+    assert parse_host(None) == ()
+
+
+@pytest.mark.parametrize("text,why", [("", "empty name"), ("  ", "empty name"), ("a,,b", "empty name"),
+                                      ("a,", "empty name"), ("x" * 65, "must be 1-64"), ("a/b", "must be 1-64"),
+                                      ("a b", "must be 1-64"), ("{local_rank}", "must be 1-64"),
+                                      ("hôte", "must be 1-64")])
+def test_bad_host_names_are_refused_naming_the_variable(text, why):
+    with pytest.raises(ConfigError, match=f"HETCCL_HOST=.*{why}"):
+        Settings.from_env({"HETCCL_HOST": text})
+
+
+def test_one_name_per_local_rank():
+    """A list is indexed by the process's local rank as its launcher set it (HETCCL_LOCAL_RANK, LOCAL_RANK,
+    SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK); without one, or without an entry for it, it is an error, never a
+    guess (a communicator's own rank would differ between a job and its subgroups)."""
+    assert Settings.from_env({}).host is None
+    assert Settings.from_env({"HETCCL_HOST": "a"}).host == "a"
+    for var in ("HETCCL_LOCAL_RANK", "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        assert Settings.from_env({"HETCCL_HOST": "a,a,b,b", var: "2"}).host == "b", var
+    with pytest.raises(ConfigError, match="HETCCL_HOST='a,a,b,b' gives one host per local rank, but no local rank"):
+        Settings.from_env({"HETCCL_HOST": "a,a,b,b"})
+    with pytest.raises(ConfigError, match="names 4 hosts, one per local rank, but this process has local rank 4"):
+        Settings.from_env({"HETCCL_HOST": "a,a,b,b", "LOCAL_RANK": "4"})
+    assert host_for((), 3) is None
+
+
+@pytest.mark.timeout(30)
+def test_init_refuses_a_bad_host_before_the_rendezvous(monkeypatch):
+    import hetccl
+
+    monkeypatch.setenv("HETCCL_HOST", "a,b")
+    monkeypatch.setenv("HETCCL_LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match="names 2 hosts, one per local rank, but this process has local rank 2"):
+        hetccl.run(hetccl.init(rank=2, world_size=3, addr="127.0.0.1:9", timeout=20))
+
+
+def test_info_shows_the_host(monkeypatch):
+    from hetccl.info import host_line
+
+    monkeypatch.setenv("HETCCL_HOST", "a,b")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("HETCCL_LOCAL_RANK", raising=False)
+    assert host_line().endswith("/b (HETCCL_HOST: acts as host 'b')")
+    monkeypatch.setenv("HETCCL_HOST", "a b")
+    proc = _hetccl("info", env={"HETCCL_HOST": "a b"})
+    assert proc.returncode == 0 and "refused: HETCCL_HOST='a b'" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("names,link", [(("a", "a"), True), (("a", "b"), False), ((None, None), True),
+                                        (("a", None), False)])
+def test_zero_copy_link_only_between_leaders_of_one_host(monkeypatch, names, link):
+    """The link between two GPU leaders is made only where the topology says they share a host: with
+    HETCCL_HOST names a and b (or one named and one not) they stage through the transports instead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hetccl import hierarchical
+    from hetccl.bootstrap import Topology, host_identity
+
+    monkeypatch.delenv("HETCCL_PAIRLINK", raising=False)
+    fab = SimpleNamespace(topology=Topology([host_identity(x) for x in names]),
+                          records=[{"island": "nvidia-0"}, {"island": "nvidia-1"}])
+    lay = SimpleNamespace(leaders=SimpleNamespace(size=2, members=[0, 1]), pairlink="the link")
+    got = asyncio.run(hierarchical._pairlink(SimpleNamespace(fabric=fab), lay, None))
+    assert got == ("the link" if link else None)
+
+
+# ---- real ranks ------------------------------------------------------------------------------------------
+
+HOSTS = ["a", "a", "b", "b"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
+def test_two_hosts_on_one_machine(transports):
+    """4 ranks, HETCCL_HOST=a,a,b,b: shared memory inside each host, TCP across (every rank checks the transport
+    it chose per peer and the topology), then every collective and send/recv."""
+    run_ranks(4, "workers:every_op", env={"HETCCL_HOST": ",".join(HOSTS), "HETCCL_TRANSPORTS": transports},
+              timeout=110, hosts=HOSTS, counts=[0, 1, 7, 4099, 70_000], dtypes=["float32", "bfloat16", "int64"],
+              ops=["sum", "max", "avg"])
+
+
+@pytest.mark.timeout(90)
+def test_topo_shows_the_hosts():
+    proc = _hetccl("run", "-n", "4", "--no-tag-output", "--", sys.executable, "-c", TOPO_RANK, "topo", "--json",
+                   env={"HETCCL_HOST": "a,a,b,b"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    topo = json.loads(proc.stdout)
+    assert [r["host_name"] for r in topo["ranks"]] == HOSTS
+    assert len({r["host"] for r in topo["ranks"]}) == 2
+    assert [r["local_rank"] for r in topo["ranks"]] == [0, 1, 0, 1]
+    for p in topo["pairs"]:
+        same = HOSTS[p["a"]] == HOSTS[p["b"]]
+        assert p["same_host"] == same and p["transport"] == ("shm" if same else "tcp"), p
+    assert topo["world"]["kind"] == "tcp"
+    proc = _hetccl("run", "-n", "4", "--", sys.executable, "-c", TOPO_RANK, "topo",
+                   env={"HETCCL_HOST": "a,a,b,b", "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 rank(s), 2 host(s)" in proc.stdout and "/a " in proc.stdout and "/b " in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_torch_backend_under_torchrun_on_two_hosts():
+    """torchrun --standalone --nproc-per-node 4, every rank with HETCCL_HOST=a,a,b,b (the entry of its
+    LOCAL_RANK): each rank checks its fabric, then every op of the torch backend on CPU tensors."""
+    pytest.importorskip("torch")
+    from test_torch_backend import run_torchrun
+
+    run_torchrun(4, "ops", "float32", env={"HETCCL_HOST": ",".join(HOSTS), "TEST_CHECK_HOSTS": ",".join(HOSTS)},
+                 timeout=140)
+
+
+@pytest.mark.timeout(90)
+def test_metrics_ports_count_every_rank_on_the_machine():
+    """Ranks acting as different hosts still share the machine's ports: HETCCL_METRICS_PORT + the rank's index
+    on the machine, not its local rank on its host (both ranks of HETCCL_HOST=a,b are local rank 0)."""
+    pytest.importorskip("prometheus_client")
+    from test_observe import _free_port_pair
+
+    run_ranks(2, "test_hosts:scrape_each_other", env={"HETCCL_HOST": "a,b", "HETCCL_METRICS_PORT":
+                                                      str(_free_port_pair())})
+
+
+async def scrape_each_other(comm) -> None:
+    """(In the rank processes.) Rank q serves at base + q; each rank reads both exporters."""
+    import asyncio
+    import os
+
+    from observe_workers import _scrape
+
+    fab = comm._fabric
+    assert fab.topology.local_rank(comm.rank) == 0 and fab.topology.machine_rank(comm.rank) == comm.rank
+    base = int(os.environ["HETCCL_METRICS_PORT"])
+    for q in range(comm.size):
+        text = await asyncio.to_thread(_scrape, base + q)
+        assert f'rank="{q}"' in text, text[-2000:]
+    await comm.barrier()
