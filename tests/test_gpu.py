@@ -42,7 +42,8 @@ def test_two_gpus_and_two_cpu_ranks() -> None:
 
 # three and four islands (issue 16, item 4): each process its own island on GPU local_rank % device_count (one
 # GPU will do: every island's NCCL communicator has one rank), GPU islands alone and mixed with CPU islands, on each
-# cross path (beyond two leaders the zero-copy link is not used; "hosts": every rank its own HETCCL_HOST)
+# cross path (the zero-copy link: a pair, or a ring of three or more leaders; "hosts": every rank its own
+# HETCCL_HOST)
 MANY_ISLANDS = ["nvidia-0,nvidia-1,nvidia-2", "nvidia-0,nvidia-1,nvidia-2,nvidia-3", "nvidia-0,nvidia-1,cpu-a",
                 "nvidia-0,cpu-a,nvidia-1,cpu-b"]
 

@@ -149,8 +149,9 @@ def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
 # --- three and four islands (issue 16, item 4) ------------------------------------------------------------------
 # n processes under torchrun, every GPU visible, rank i is island nvidia-i on GPU i % device_count: with fewer GPUs
 # than islands, several islands share a GPU (each island's NCCL communicator has one rank), so one GPU will do.
-# Beyond two islands the zero-copy link is not used: "link" (the default settings) stages through shared memory
-# like "shm", and "hosts" makes every rank its own host (HETCCL_HOST=h0,h1,...), so TCP joins them.
+# "link" (the default settings) joins three or more GPU leaders of one host by the zero-copy ring (gpu/ringlink.py),
+# "shm" stages through shared memory, and "hosts" makes every rank its own host (HETCCL_HOST=h0,h1,...), so TCP
+# joins them.
 def _islands_env(islands: str, path: str, hosts: str | None = None) -> dict[str, str]:
     n = islands.count(",") + 1
     env = {**CUDA_ENV, "TEST_ISLANDS": islands, **PATHS[path]}
