@@ -112,8 +112,14 @@ class RingLink:
             if int(err) != 0:
                 raise TransportError(f"cudaHostRegister of a cross-island ring segment failed (error {int(err)}); "
                                      "set HETCCL_PAIRLINK=0 to stage through hetccl's host transports instead")
-        window = max(1, SLOTS // 2)
-        return cls(_Inbox(mine, ops), _Inbox(theirs, ops), me, k, slot_bytes, device, ops, fab.lost, window)
+        link = cls(_Inbox(mine, ops), _Inbox(theirs, ops), me, k, slot_bytes, device, ops, fab.lost,
+                   max(1, SLOTS // 2))
+        # every leader is done with the store before any enqueues work that waits on the ring: a leader whose
+        # streams wait for a peer may block in a CUDA call (the first launch of a kernel loads its module, which
+        # waits for the context's queued work), and rank 0's blocked loop would leave the store unserved while a
+        # peer still needs it to finish this setup (seen on one GPU shared by three islands: a hang)
+        await leaders.flat_all_reduce(as_buf(np.zeros(1, dtype=np.int32)), ReduceOp.MAX)
+        return link
 
     def _blocks(self, count: int) -> list[tuple[int, int]]:
         base, extra = divmod(count, self.size)
