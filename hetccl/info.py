@@ -56,6 +56,9 @@ def collect() -> dict[str, object]:
         except Exception as exc:  # the point of `info` is to say what is missing and why
             vendors[name] = f"unavailable: {' '.join(str(exc).split())}"
     out["vendor_ccl"] = vendors
+    from . import params
+
+    out["settings"] = params.in_effect()
     return out
 
 
@@ -73,7 +76,7 @@ def print_info() -> int:
     info = collect()
     width = max(len(k) for k in info)
     for key, value in info.items():
-        if key in ("transports", "vendor_ccl"):
+        if key in ("transports", "vendor_ccl", "settings"):
             continue
         print(wrap(f"{key:<{width}} : ", str(value)))
     print("transports:")
@@ -83,4 +86,16 @@ def print_info() -> int:
     print("vendor collective libraries (GPU islands):")
     for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
         print(wrap(f"  {name:<8} ", state))
+    print_settings(info["settings"])  # type: ignore[arg-type]
     return 0
+
+
+def print_settings(settings: dict[str, dict[str, object]]) -> None:
+    """The HETCCL_* settings the environment sets (or refuses), from the parameter table (hetccl/params.py)."""
+    chosen = {k: v for k, v in settings.items() if v["source"] == "environment" or "error" in v}
+    print("settings in effect:" if chosen else "settings in effect: all at their defaults")
+    width = max((len(k) for k in chosen), default=0)
+    for name, v in chosen.items():
+        print(wrap(f"  {name:<{width}} = ", f"refused: {v['error']}" if "error" in v else str(v["value"])))
+    if chosen:
+        print(f"  ({len(settings) - len(chosen)} more at their defaults: python -m hetccl.params lists them all)")

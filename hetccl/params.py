@@ -7,11 +7,12 @@ and those need every parameter without importing every module (the GPU modules l
 torch backend imports torch). The ``owner`` column keeps the link to the code; tests/test_params.py checks
 that each owner exists and names its parameter.
 
-Reading. ``get(name)`` reads the variable once per process and caches the parsed value (``reload()`` forgets
-the cache: the test hook). Unset or empty means the default. A bad value is a ``ConfigError`` that names the
-variable and says what is allowed; on/off switches all read 1/0, true/false, on/off, yes/no. ``lookup(name,
-env)`` parses from an explicit mapping instead (``Settings.from_env(env)``); ``convert(name, value)`` checks a
-value given in code (``hetccl.init(settings={...})``): a string is parsed as in the environment.
+Reading. ``get(name)`` reads the variable once per process (a forked child reads again) and caches the parsed
+value (``reload()`` forgets the cache: the test hook). Unset or empty means the default. A bad value is a
+``ConfigError`` that names the variable and says what is allowed; on/off switches all read 1/0, true/false,
+on/off, yes/no. ``lookup(name, env)`` parses from an explicit mapping instead (``Settings.from_env(env)``);
+``convert(name, value)`` checks a value given in code (``hetccl.init(settings={...})``): a string is parsed as in
+the environment.
 
 Scope. Parameters with a ``field`` are per communicator: `config.Settings` holds them, and
 ``hetccl.init(settings=...)`` may set them in code. The others are process-wide (read once, mostly where their
@@ -392,6 +393,10 @@ def reload() -> None:
     _raw.clear()
 
 
+if hasattr(os, "register_at_fork"):  # a forked child is a new process: it reads its own environment
+    os.register_at_fork(after_in_child=reload)
+
+
 def lookup(name: str, env: Mapping[str, str] | None = None) -> Any:
     """``get(name)``, or the value in the mapping ``env`` (parsed now, not cached) when one is given."""
     if env is None:
@@ -447,9 +452,20 @@ def in_effect(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]
     return out
 
 
+# README rows for the rank variables (config.RANK_VARIABLES): not parameters, but the reader looks here first
+RANK_ROWS = (
+    "| `HETCCL_RANK`, `HETCCL_WORLD_SIZE`, `HETCCL_LOCAL_RANK` | this process's place in the job (else `RANK`/"
+    "`WORLD_SIZE`/`LOCAL_RANK` of torchrun, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, `OMPI_COMM_WORLD_RANK`/"
+    "`_SIZE`/`_LOCAL_RANK`, in that order) | set by the launcher |",
+    "| `HETCCL_ADDR` | `host:port` of the rendezvous store that rank 0 serves (else `MASTER_ADDR`/`MASTER_PORT`; "
+    "under torchrun, whose agent holds `MASTER_PORT`, a free port published through torchrun's store); the port is "
+    "required when there is more than one rank | set by the launcher |",
+)
+
+
 def markdown_rows(params: Iterable[Param] | None = None) -> str:
-    """README's environment table rows, one per parameter."""
-    rows = []
+    """README's environment table: the rank variables, then one row per parameter."""
+    rows = ["| variable | meaning | default |", "|---|---|---|", *RANK_ROWS]
     for p in TABLE.values() if params is None else params:
         rows.append(f"| `{p.name}` | {p.doc} | {p.default_text()} |")
     return "\n".join(rows) + "\n"
