@@ -201,7 +201,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        secret=True),
     _P("HETCCL_TIMEOUT", "float", 300.0, "seconds any collective or bootstrap step may wait", "hetccl.communicator",
        lo=0, lo_open=True, field="timeout"),
-    _P("HETCCL_WAIT_NOTICE", "str", DEFAULT_WAIT_NOTICE, "`first[,every]` seconds: a rank waiting to join (for rank "
+    _P("HETCCL_WAIT_NOTICE", "list", DEFAULT_WAIT_NOTICE, "`first[,every]` seconds: a rank waiting to join (for rank "
        "0's store, for ranks that have not arrived, under torchrun for rank 0's address) prints one line on stderr "
        "after `first` s, then every `every` s, e.g. `hetccl: rank 1: 3 of 4 ranks joined; missing: 2 (40 s of "
        "300)`; `0` turns the lines off", "hetccl.waits", field="wait_notice", parse=_wait_notice, shown="10,30"),
