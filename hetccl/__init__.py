@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from . import lifecycle
@@ -35,11 +35,16 @@ __version__ = "0.1.0"
 
 
 async def init(rank: int | None = None, world_size: int | None = None, addr: str | None = None,
-               timeout: float | None = None, local_rank: int | None = None) -> Communicator:
+               timeout: float | None = None, local_rank: int | None = None, *,
+               settings: Settings | Mapping[str, Any] | None = None, secret: str | bytes | None = None
+               ) -> Communicator:
     """Join the job and return the world communicator.
 
     With no arguments everything comes from the environment (HETCCL_*, torchrun, Slurm, Open MPI; see
     README). Arguments override the environment: `addr` is the rendezvous "host:port" that rank 0 serves.
+    `settings` is a `Settings` (used as given) or a mapping of parameter names ("HETCCL_TIMEOUT" or
+    "timeout", see hetccl/params.py) to values, laid over the environment's; `secret` is the job secret
+    (HETCCL_SECRET). Both are checked as the environment's values are.
     """
     if rank is None and world_size is None:
         ident = identity_from_env()
@@ -58,7 +63,7 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
         name = ("addr" if "HETCCL_ADDR" not in os.environ or addr != os.environ["HETCCL_ADDR"] else "HETCCL_ADDR")
         ident = Identity(rank, world_size, rank if local_rank is None else local_rank,
                          parse_addr(addr, name=name if world_size > 1 else None) if addr else None, "arguments")
-    settings = Settings.from_env(timeout=timeout)
+    settings = Settings.build(settings, secret=secret, timeout=timeout)
     from .bootstrap import Fabric
 
     fabric = await Fabric.create(ident, settings)

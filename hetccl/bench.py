@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from . import params
+
 # every collective of the API, in nccl-tests' order
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
 DEFAULT_OPS = ",".join(OPS)
@@ -272,7 +274,7 @@ class _Progress:
 
 
 def _progress(args: argparse.Namespace, total: int) -> _Progress | None:
-    if args.no_progress or os.environ.get("HETCCL_BENCH_PROGRESS") != "1":
+    if args.no_progress or not params.get("HETCCL_BENCH_PROGRESS"):
         return None
     return _Progress(total)
 

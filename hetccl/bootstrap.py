@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import observe
+from . import observe, params
 from .config import Identity, Settings, island_label
 from .errors import (
     CollectiveMismatchError,
@@ -141,7 +141,7 @@ class Fabric:
     async def _bootstrap(self) -> None:
         s, rank, size = self.settings, self.rank, self.size
         host, port = self.identity.addr or ("127.0.0.1", 0)
-        external = os.environ.get("HETCCL_STORE_EXTERNAL") == "1"
+        external = params.get("HETCCL_STORE_EXTERNAL")
         if self.identity.meet == "torchrun" and not external:  # MASTER_PORT is torchrun's own store
             from . import torchrun
 

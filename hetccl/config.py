@@ -1,4 +1,7 @@
-"""Configuration from the environment: who am I (rank sources), deadlines, chunking, choices.
+"""Configuration from the environment: who am I (rank sources), and the per-communicator Settings.
+
+The settings themselves (name, type, default, bounds, doc) are declared in hetccl/params.py; `Settings` is
+built from that table. Only the rank variables (RANK_VARIABLES and the launchers' own) are read here directly.
 
 Rank sources are read in a fixed order: HETCCL_*, torchrun, Slurm, Open MPI. The first source whose rank
 variable is set wins; a source that is only partly set is an error naming the missing variable.
@@ -6,17 +9,25 @@ variable is set wins; a source that is only partly set is an error naming the mi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from . import params
 from .errors import ConfigError
+from .params import DEFAULT_WAIT_NOTICE, parse_size  # noqa: F401  (config's names: callers import them here)
 
-DEFAULT_TIMEOUT_S = 300.0
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_TIMEOUT_S: float = params.TABLE["HETCCL_TIMEOUT"].default
+DEFAULT_CHUNK_BYTES: int = params.TABLE["HETCCL_CHUNK_BYTES"].default
 DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
-DEFAULT_WAIT_NOTICE = (10.0, 30.0)  # a rank waiting to join says so after 10 s, then every 30 s
+
+# the rank variables: who this process is and where the job meets. Not settings (hetccl/params.py): the
+# launcher writes them and identity_from_env reads them, beside torchrun's, Slurm's and Open MPI's own
+RANK_VARIABLES = ("HETCCL_RANK", "HETCCL_WORLD_SIZE", "HETCCL_LOCAL_RANK", "HETCCL_LOCAL_WORLD_SIZE", "HETCCL_ADDR",
+                  "HETCCL_LAUNCHED")
 
 # (source name, rank var, size var, local-rank var, how the address is found)
 _RANK_SOURCES = (
@@ -67,44 +78,12 @@ def env_int(name: str, default: int, lo: int, hi: int, env: dict[str, str] | Non
 def parse_ib_devices(text: str) -> list[tuple[str, int]]:
     """HETCCL_IB_DEVICE: 'mlx5_0', 'mlx5_0:1', or a comma list ('rxe0,rxe1') from which each rank takes
     entry local_rank % len (one NIC per local rank, as on multi-rail hosts). [] when unset."""
-    out = []
-    for item in (t.strip() for t in str(text).split(",")):
-        if not item:
-            continue
-        name, sep, port = item.partition(":")
-        if not name or any(c.isspace() or c == "/" for c in name):
-            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r} is not a device name; write e.g. mlx5_0 or "
-                              "mlx5_0:1 (see `ibv_devices`)")
-        try:
-            num = int(port) if sep else 1
-        except ValueError:
-            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r}: port {port!r} is not a number") from None
-        if not 1 <= num <= 255:
-            raise ConfigError(f"HETCCL_IB_DEVICE entry {item!r}: port must be 1..255")
-        out.append((name, num))
-    return out
-
-
-HOST_NAME_MAX = 64
-_HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+    return params.parse(params.TABLE["HETCCL_IB_DEVICE"], str(text))
 
 
 def parse_host(text: str | None) -> tuple[str, ...]:
-    """HETCCL_HOST: the host this rank acts as, on top of the machine it runs on. One name (``a``) for every
-    rank that reads it, or a comma list (``a,a,b,b``) from which the process with local rank i (as its launcher
-    set it in the environment: env_local_rank) takes entry i.
-    Names are 1-64 of ``A-Z a-z 0-9 . _ -``. () when unset; set but empty is an error (unset it instead)."""
-    if text is None:
-        return ()
-    names = tuple(t.strip() for t in str(text).split(","))
-    for name in names:
-        if not name:
-            raise ConfigError(f"HETCCL_HOST={text!r} has an empty name; write one name (HETCCL_HOST=a) or one per "
-                              "local rank (HETCCL_HOST=a,a,b,b), or unset HETCCL_HOST")
-        if len(name) > HOST_NAME_MAX or not set(name) <= _HOST_NAME_CHARS:
-            raise ConfigError(f"HETCCL_HOST={text!r}: host name {name[:80]!r} must be 1-{HOST_NAME_MAX} letters, "
-                              "digits, '.', '_' or '-'")
-    return names
+    """HETCCL_HOST as a tuple of names (params.py checks them); () when unset."""
+    return params.parse(params.TABLE["HETCCL_HOST"], text) or ()
 
 
 def env_local_rank(env: Mapping[str, str]) -> int | None:
@@ -136,51 +115,13 @@ def host_for(names: tuple[str, ...], local_rank: int | None) -> str | None:
 
 def parse_ib_gid_index(text: str | None) -> int | None:
     """HETCCL_IB_GID_INDEX: the GID table index for RoCE (None = pick a RoCE v2 IPv4 GID automatically)."""
-    if text is None or str(text).strip() == "":
-        return None
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"HETCCL_IB_GID_INDEX={text!r} is not an integer; see `show_gids` or "
-                          "/sys/class/infiniband/<dev>/ports/1/gids") from None
-    if not 0 <= value <= 65535:
-        raise ConfigError(f"HETCCL_IB_GID_INDEX={text!r} must be between 0 and 65535")
-    return value
+    return params.parse(params.TABLE["HETCCL_IB_GID_INDEX"], None if text is None else str(text))
 
 
 def parse_wait_notice(text: str | None) -> tuple[float, float]:
     """HETCCL_WAIT_NOTICE: 'first[,every]' seconds before a waiting rank's first line on stderr and between the
     next ones (default 10,30); 0 turns the lines off."""
-    if text is None or str(text).strip() == "":
-        return DEFAULT_WAIT_NOTICE
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 2 or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise ConfigError(f"HETCCL_WAIT_NOTICE={text!r}: write first[,every] in seconds, e.g. 10,30 (the "
-                          "default), or 0 for no waiting lines")
-    first = values[0]
-    every = values[1] if len(values) == 2 else DEFAULT_WAIT_NOTICE[1]
-    return (first, every if every > 0 else math.inf) if first > 0 else (math.inf, math.inf)
-
-
-def parse_size(text: str) -> int:
-    """'4K', '64M', '1G', '4096' -> bytes (powers of two, like nccl-tests)."""
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if s.endswith(suffix):
-            s, mult = s[:-1], m
-            break
-    try:
-        value = int(float(s) * mult)
-    except (ValueError, OverflowError):
-        raise ConfigError(f"cannot read size {text!r}; write e.g. 4096, 64K, 1M") from None
-    if value < 0:
-        raise ConfigError(f"size {text!r} must be >= 0")
-    return value
+    return params.parse(params.TABLE["HETCCL_WAIT_NOTICE"], None if text is None else str(text))
 
 
 def parse_addr(text: str, default_port: int = DEFAULT_PORT, *, name: str | None = None) -> tuple[str, int]:
@@ -253,50 +194,108 @@ def identity_from_env(env: dict[str, str] | None = None) -> Identity:
     )
 
 
+def _default(name: str) -> Any:
+    value = params.TABLE[name].default
+    return field(default_factory=lambda: list(value)) if isinstance(value, list) else value
+
+
 @dataclass
 class Settings:
-    """Knobs read once per communicator; tests and callers may override fields."""
+    """Knobs read once per communicator; tests and callers may override fields. The fields filled from the
+    environment are the parameters of hetccl/params.py that name a ``field`` (their defaults come from there)."""
 
-    timeout: float = DEFAULT_TIMEOUT_S
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    algo: str | None = None
-    transports: list[str] | None = None
-    secret: bytes = b""
-    bind_addr: str | None = None
+    timeout: float = _default("HETCCL_TIMEOUT")
+    chunk_bytes: int = _default("HETCCL_CHUNK_BYTES")
+    algo: str | None = _default("HETCCL_ALGO")
+    transports: list[str] | None = _default("HETCCL_TRANSPORTS")
+    secret: bytes = b""  # HETCCL_SECRET, or hetccl.init(secret=...)
+    bind_addr: str | None = _default("HETCCL_BIND_ADDR")
+    socket_ifname: str | None = _default("HETCCL_SOCKET_IFNAME")  # resolved into bind_addr by resolve()
     max_frame_bytes: int = 1 << 20  # control-plane frames
     unexpected_bytes: int = 256 << 20  # per-peer buffer for data that arrives before its receive
-    ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
-    ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
-    wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
+    ib_devices: list[tuple[str, int]] = _default("HETCCL_IB_DEVICE")  # verbs
+    ib_gid_index: int | None = _default("HETCCL_IB_GID_INDEX")  # verbs, RoCE
+    wait_notice: tuple[float, float] = _default("HETCCL_WAIT_NOTICE")  # (first, every) in s; inf = never
     host: str | None = None  # HETCCL_HOST: the host this process acts as (its entry, for a list)
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, timeout: float | None = None) -> Settings:
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str] | None = None, timeout: float | None = None) -> Settings:
+        """From the environment (the parameter table's cached values), or from the mapping ``env``."""
         s = cls()
-        s.timeout = timeout if timeout is not None else env_float("HETCCL_TIMEOUT", DEFAULT_TIMEOUT_S, env)
-        if s.timeout <= 0:
-            raise ConfigError("timeout must be > 0 seconds")
-        if env.get("HETCCL_CHUNK_BYTES"):
-            s.chunk_bytes = parse_size(env["HETCCL_CHUNK_BYTES"])
-            if s.chunk_bytes < 4096:
-                raise ConfigError("HETCCL_CHUNK_BYTES must be >= 4096")
-        if env.get("HETCCL_ALGO"):
-            s.algo = env["HETCCL_ALGO"].strip().lower()
-        if env.get("HETCCL_TRANSPORTS"):
-            s.transports = [t.strip().lower() for t in env["HETCCL_TRANSPORTS"].split(",") if t.strip()]
-        s.secret = env.get("HETCCL_SECRET", "").encode()
-        s.bind_addr = env.get("HETCCL_BIND_ADDR") or None
-        if not s.bind_addr and env.get("HETCCL_SOCKET_IFNAME"):  # like NCCL_SOCKET_IFNAME: an interface name
+        for p in params.settings_params():
+            if p.name != "HETCCL_TIMEOUT" or timeout is None:  # the argument wins: the variable is not read
+                s._set(p.name, params.lookup(p.name, env))
+        if timeout is not None:
+            s.timeout = _check_timeout(timeout)
+        s.host = host_for(params.lookup("HETCCL_HOST", env), env_local_rank(os.environ if env is None else env))
+        return s.resolve()
+
+    @classmethod
+    def build(cls, settings: Settings | Mapping[str, Any] | None = None, *, secret: str | bytes | None = None,
+              timeout: float | None = None) -> Settings:
+        """What hetccl.init() runs with: ``settings`` as given (a Settings, checked), or the environment's with
+        the mapping ``settings`` on top (keys: parameter names such as "HETCCL_TIMEOUT", or field names such
+        as "timeout"; values checked like the environment's); then ``secret`` and ``timeout`` when given."""
+        if isinstance(settings, Settings):
+            s = dataclasses.replace(settings)
+            s.check()
+        elif settings is None or isinstance(settings, Mapping):
+            s = cls.from_env()
+            for key, value in (settings or {}).items():
+                p = _settings_param(key)
+                s._set(p.name, params.convert(p.name, value))
+        else:
+            raise ConfigError(f"settings={settings!r}: give a hetccl Settings or a mapping of parameter names "
+                              "(e.g. {'HETCCL_TIMEOUT': 60}) to values")
+        if secret is not None:
+            if not isinstance(secret, (str, bytes)):
+                raise ConfigError(f"secret must be str or bytes, not {type(secret).__name__}")
+            s.secret = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if timeout is not None:
+            s.timeout = _check_timeout(timeout)
+        return s.resolve()
+
+    def check(self) -> None:
+        """Check every field that comes from the parameter table, as the environment's values are."""
+        for p in params.settings_params():
+            value = getattr(self, p.field)  # type: ignore[arg-type]
+            if p.name == "HETCCL_SECRET":
+                if not isinstance(value, (bytes, str)):
+                    raise ConfigError(f"Settings.secret must be bytes or str, not {type(value).__name__}")
+                continue
+            self._set(p.name, params.convert(p.name, value))
+
+    def resolve(self) -> Settings:
+        """Derived fields: an interface name (HETCCL_SOCKET_IFNAME) becomes the bind address unless one is set."""
+        if not self.bind_addr and self.socket_ifname:  # like NCCL_SOCKET_IFNAME: an interface name
             from .netio import interface_addr
 
-            s.bind_addr = interface_addr(env["HETCCL_SOCKET_IFNAME"].strip())
-        s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
-        s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
-        s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
-        s.host = host_for(parse_host(env.get("HETCCL_HOST")), env_local_rank(env))
-        return s
+            self.bind_addr = interface_addr(self.socket_ifname.strip())
+        return self
+
+    def _set(self, name: str, value: Any) -> None:
+        if name == "HETCCL_SECRET":
+            value = value.encode() if isinstance(value, str) else value
+        setattr(self, params.TABLE[name].field, value)  # type: ignore[arg-type]
+
+
+def _check_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")
+    return float(timeout)
+
+
+def _settings_param(key: str) -> params.Param:
+    """The table's parameter for a key of a settings mapping: its name or its Settings field."""
+    for p in params.settings_params():
+        if key in (p.name, p.field):
+            return p
+    if key in params.TABLE:
+        raise ConfigError(f"{key} is process-wide, not a per-communicator setting: set it in the environment")
+    known = ", ".join(f"{p.name} ({p.field})" for p in params.settings_params())
+    raise ConfigError(f"settings key {key!r} is not a hetccl setting; known: {known}")
 
 
 ISLAND_VENDORS = ("nvidia", "amd", "cpu")
@@ -322,7 +321,7 @@ def island_label() -> str:
     Ranks with different labels never share a vendor CCL (how heterogeneity is emulated on one vendor).
     A label must start with a known vendor, and a GPU vendor's label needs that vendor's devices on this host
     (``HETCCL_ISLAND=nvidia`` on a machine without an NVIDIA GPU would fail later, inside the vendor library)."""
-    label = os.environ.get("HETCCL_ISLAND", "").strip()
+    label = params.get("HETCCL_ISLAND") or ""
     if label:
         vendor = island_vendor(label)
         if vendor not in ISLAND_VENDORS:

@@ -9,14 +9,14 @@ arrives for a finished collective can never be consumed: the ranks disagree) and
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from typing import Any
 
+from . import params
 from .wire import Fingerprint
 
-CAPACITY = int(os.environ.get("HETCCL_FLIGHT_RECORDS", "64"))
+CAPACITY = params.get("HETCCL_FLIGHT_RECORDS")
 RUNNING, DONE, FAILED = "running", "done", "failed"
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import params
 from .transports.base import REPORT_TAG
 from .wire import Fingerprint
 
@@ -84,7 +85,7 @@ async def gather(comm: GroupView, fp: Fingerprint, waited: float) -> dict[str, A
     fab.tell(others, fp, REPORT_TAG, msgpack.packb({"key": key}))
     answers: dict[int, Any] = {fab.rank: records_of(fab)}
     # bounded: the report must not hold the error back for long (at most a quarter of the deadline)
-    wait = min(float(os.environ.get("HETCCL_REPORT_WAIT", "5")), max(1.0, comm.settings.timeout / 4))
+    wait = min(params.get("HETCCL_REPORT_WAIT"), max(1.0, comm.settings.timeout / 4))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     if fab.store is not None and others:
@@ -105,7 +106,7 @@ async def gather(comm: GroupView, fp: Fingerprint, waited: float) -> dict[str, A
                 log.warning("hetccl: hang report incomplete: %r", exc)
     report = analyse(comm, fp, waited, answers)
     log.error("%s", format_report(report))
-    dump = os.environ.get("HETCCL_DUMP_DIR")
+    dump = params.get("HETCCL_DUMP_DIR")
     if dump:
         try:
             Path(dump).mkdir(parents=True, exist_ok=True)

@@ -60,16 +60,20 @@ def collect() -> dict[str, object]:
         except Exception as exc:  # the point of `info` is to say what is missing and why
             vendors[name] = f"unavailable: {' '.join(str(exc).split())}"
     out["vendor_ccl"] = vendors
+    from . import params
+
+    out["settings"] = params.in_effect()
     return out
 
 
 def host_line() -> str:
     """This process's host identity (machine / boot id / network namespace [/ HETCCL_HOST name]): ranks with
     different ones never share memory."""
+    from . import params
     from .bootstrap import host_identity
-    from .config import env_local_rank, host_for, parse_host
+    from .config import env_local_rank, host_for
 
-    names, local = parse_host(os.environ.get("HETCCL_HOST")), env_local_rank(os.environ)
+    names, local = params.get("HETCCL_HOST") or (), env_local_rank(os.environ)
     if len(names) > 1 and local is None:
         return f"{host_identity()}, and as HETCCL_HOST the entry of its local rank in {','.join(names)}"
     name = host_for(names, local)
@@ -90,7 +94,7 @@ def print_info() -> int:
     info = collect()
     width = max(len(k) for k in info)
     for key, value in info.items():
-        if key in ("transports", "vendor_ccl"):
+        if key in ("transports", "vendor_ccl", "settings"):
             continue
         print(wrap(f"{key:<{width}} : ", str(value)))
     print("transports:")
@@ -100,4 +104,16 @@ def print_info() -> int:
     print("vendor collective libraries (GPU islands):")
     for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
         print(wrap(f"  {name:<8} ", state))
+    print_settings(info["settings"])  # type: ignore[arg-type]
     return 0
+
+
+def print_settings(settings: dict[str, dict[str, object]]) -> None:
+    """The HETCCL_* settings the environment sets (or refuses), from the parameter table (hetccl/params.py)."""
+    chosen = {k: v for k, v in settings.items() if v["source"] == "environment" or "error" in v}
+    print("settings in effect:" if chosen else "settings in effect: all at their defaults")
+    width = max((len(k) for k in chosen), default=0)
+    for name, v in chosen.items():
+        print(wrap(f"  {name:<{width}} = ", f"refused: {v['error']}" if "error" in v else str(v["value"])))
+    if chosen:
+        print(f"  ({len(settings) - len(chosen)} more at their defaults: python -m hetccl.params lists them all)")

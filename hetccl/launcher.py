@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from . import params
+
 __all__ = ["launch"]
 
 POLL_INTERVAL_S = 0.02  # how often children are polled
@@ -366,7 +368,7 @@ def launch(
     base_env.update(env or {})
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # lines through our pipes as they are printed
     if secret is None:
-        secret = base_env.get("HETCCL_SECRET") or secrets.token_hex(32)
+        secret = params.lookup("HETCCL_SECRET", base_env) or secrets.token_hex(32)
     if not port:
         port = _pick_port(addr)
     host = addr.strip("[]")

@@ -9,13 +9,12 @@ of steps as its own task, so that the send of chunk k overlaps the reduction of 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from . import native
+from . import native, params
 from . import observe as _obs
 from .dtypes import Buf, DType, ReduceOp
 from .errors import CollectiveMismatchError, CollectiveTimeout, CommAbortedError, HetcclError
@@ -259,7 +258,7 @@ async def run_collective(comm: GroupView, fp: Fingerprint, body: Callable[[], Co
                           for ep in comm.peers.values()
                           for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})
         summary = ""
-        if fp.comm == comm.comm_id and os.environ.get("HETCCL_HANG_REPORT", "1") != "0":
+        if fp.comm == comm.comm_id and params.get("HETCCL_HANG_REPORT"):
             from . import hangreport
 
             try:  # what every rank was doing: logged, and written under HETCCL_DUMP_DIR

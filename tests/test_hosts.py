@@ -29,12 +29,12 @@ def test_host_names_accepted(text, names):
     assert parse_host(None) == ()
 
 
-@pytest.mark.parametrize("text,why", [("", "empty name"), ("  ", "empty name"), ("a,,b", "empty name"),
+@pytest.mark.parametrize("text,why", [("", "set but empty"), ("  ", "set but empty"), ("a,,b", "empty name"),
                                       ("a,", "empty name"), ("x" * 65, "must be 1-64"), ("a/b", "must be 1-64"),
                                       ("a b", "must be 1-64"), ("{local_rank}", "must be 1-64"),
                                       ("hôte", "must be 1-64")])
 def test_bad_host_names_are_refused_naming_the_variable(text, why):
-    with pytest.raises(ConfigError, match=f"HETCCL_HOST=.*{why}"):
+    with pytest.raises(ConfigError, match=f"HETCCL_HOST.*{why}"):
         Settings.from_env({"HETCCL_HOST": text})
 
 

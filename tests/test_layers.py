@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     # 0: host memory, formats, settings, sockets, process lifetime
     "hetccl.errors": 0, "hetccl.dtypes": 0, "hetccl.native": 0, "hetccl._native": 0, "hetccl.wire": 0,
     "hetccl.config": 0, "hetccl.netio": 0, "hetccl.auth": 0, "hetccl.flight": 0, "hetccl.ordering": 0,
-    "hetccl.lifecycle": 0, "hetccl.shmseg": 0,
+    "hetccl.lifecycle": 0, "hetccl.shmseg": 0, "hetccl.params": 0,
 }
 
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
+from .. import params
 from ..errors import TransportError
 
 T = TypeVar("T")
@@ -140,7 +141,7 @@ def search_library(what: str, env: str, default_file: str, candidates: Callable[
     """Open the library named by $`env` (only that one: an explicit choice never falls back), else the first
     candidate that `opener` accepts. Every failure is a TransportError saying what was tried and why each
     place was refused, and what to install or set."""
-    value = os.environ.get(env, "").strip()
+    value = params.get(env) or ""
     if value:
         path = os.path.join(value, default_file) if os.path.isdir(value) else value
         if not os.path.exists(path):

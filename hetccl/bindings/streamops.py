@@ -12,10 +12,10 @@ with the reason when they cannot be used; callers then fall back to CPU-signalle
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
+from .. import params
 from ..errors import TransportError
 
 CDEF = r"""
@@ -213,7 +213,7 @@ def load_driver(vendor: str = "cuda") -> StreamOps:
 
         ffi = cffi.FFI()
         ffi.cdef(CDEF)
-        path = "libcuda.so.1" if vendor == "cuda" else os.environ.get("HETCCL_HIP_LIB", "libamdhip64.so")
+        path = "libcuda.so.1" if vendor == "cuda" else (params.get("HETCCL_HIP_LIB") or "libamdhip64.so")
         try:
             lib = ffi.dlopen(path)
         except OSError as exc:
@@ -229,7 +229,7 @@ def load_driver(vendor: str = "cuda") -> StreamOps:
 
 def load_streamops(vendor: str = "cuda") -> StreamOps:
     """The stream memory operations of `vendor` ("cuda" or "hip"); raises Unavailable with the reason."""
-    if os.environ.get("HETCCL_STREAM_MEMOPS", "1") == "0":
+    if not params.get("HETCCL_STREAM_MEMOPS"):
         raise Unavailable("disabled by HETCCL_STREAM_MEMOPS=0")
     ops = load_driver(vendor)
     if ops._wait is None or ops._write is None:

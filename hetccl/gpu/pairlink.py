@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import native
+from .. import native, params
 from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf
-from ..errors import CollectiveTimeout, ConfigError, PeerLostError, TransportError
+from ..errors import CollectiveTimeout, PeerLostError, TransportError
 from ..shmseg import Segment
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
@@ -41,13 +41,13 @@ if TYPE_CHECKING:
 
 # slots per direction: 16 x 4 MiB measured best on 2 H200 (8 starves the copy engines past 32 MiB; smaller
 # chunks pay the counters' round trip more often)
-SLOTS = int(os.environ.get("HETCCL_PAIRLINK_SLOTS", "16"))
+SLOTS = params.get("HETCCL_PAIRLINK_SLOTS")
 # counters, each on its own cache line: CPU-signalled produced[d] at 0 + 256*d, consumed[d] at 128 + 256*d
 # (uint64); GPU-signalled produced[d] at 2048 + 256*d, consumed[d] at 2048 + 128 + 256*d (uint32)
 HEADER = 4096
 # at most this many bytes (and one slot), the GPU-signalled link takes its direct path (reads the peer's slot
 # through the host mapping, one stream, no events): lower latency; larger messages pipeline by chunk
-DIRECT_BYTES = int(os.environ.get("HETCCL_PAIRLINK_DIRECT_BYTES", str(1 << 20)))
+DIRECT_BYTES = params.get("HETCCL_PAIRLINK_DIRECT_BYTES")
 GPU_COUNTERS = 2048
 SCRATCH = 2
 log = logging.getLogger("hetccl")
@@ -377,11 +377,8 @@ def shm_room(nbytes: int) -> bool:
 def placement() -> str:
     """Which node each direction's ring lives on: near the GPU that reads it (default), near the one that
     writes it, or wherever the creating leader runs ("none", the placement before this setting existed)."""
-    place = os.environ.get("HETCCL_PAIRLINK_PLACE", "receiver")
-    if place not in ("receiver", "sender", "none"):
-        raise ConfigError(f"HETCCL_PAIRLINK_PLACE={place!r}: use receiver, sender or none")
-    return place
+    return params.get("HETCCL_PAIRLINK_PLACE")
 
 
 def enabled() -> bool:
-    return os.environ.get("HETCCL_PAIRLINK", "1") != "0"
+    return params.get("HETCCL_PAIRLINK")

@@ -15,23 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from ..config import parse_size
+from .. import params
 from ..dtypes import Buf, ReduceOp, as_buf
 from ..errors import CollectiveTimeout
 from .buffers import DeviceBuf
 from .runtime import as_tensor, copy_streams, lease, reduce_inplace, stream_of, torch_mod, use_device, wait_event
 
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
-STAGE_CHUNK = parse_size(os.environ.get("HETCCL_STAGE_BYTES", "4M"))
+STAGE_CHUNK = params.get("HETCCL_STAGE_BYTES")
 # at most this many bytes, where the GPU-signalled link is not used, the leaders' all_reduce goes through host
 # memory in one piece (a copy each way and hetccl's host all_reduce cost less than a pipeline's per-chunk set-up)
-SMALL_BYTES = parse_size(os.environ.get("HETCCL_CROSS_SMALL_BYTES", "256K"))
+SMALL_BYTES = params.get("HETCCL_CROSS_SMALL_BYTES")
 # small messages take the zero-copy link too when it is GPU-signalled (0: the host round trip below SMALL_BYTES)
-PAIRLINK_SMALL = os.environ.get("HETCCL_PAIRLINK_SMALL", "1") != "0"
+PAIRLINK_SMALL = params.get("HETCCL_PAIRLINK_SMALL")
 
 
 class Leaders(Protocol):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from .. import params
 from ..errors import CollectiveTimeout, PeerLostError, TransportError
 from .runtime import record_event, torch_mod, wait_event
 
@@ -30,13 +30,13 @@ IN_PROGRESS = 7
 # the watchdog's polling period while operations are in flight: long, because every CUDA/NCCL call it makes
 # hands the GIL back and forth with the launching thread (polling each event every 0.2 ms doubled the cost of
 # a small all_reduce on the device), and short next to any deadline
-WATCH_PERIOD_S = float(os.environ.get("HETCCL_WATCHDOG_PERIOD_MS", "50")) / 1000
+WATCH_PERIOD_S = params.get("HETCCL_WATCHDOG_PERIOD_MS") / 1000
 MAX_IN_FLIGHT = 256  # enqueued, unfinished operations per communicator before a call waits
 log = logging.getLogger("hetccl")
 
 
 def blocking() -> bool:
-    return os.environ.get("HETCCL_GPU_BLOCKING", "0") not in ("", "0")
+    return params.get("HETCCL_GPU_BLOCKING")
 
 
 class VendorComm:

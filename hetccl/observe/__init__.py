@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from .. import params
 
 if TYPE_CHECKING:
     from ..bootstrap import Fabric
@@ -63,13 +63,10 @@ def configure_logging(env: dict[str, str] | None = None) -> None:
     records, a stderr handler with a `hetccl host:pid:rank` prefix. Never touches an application's own
     configuration: a "hetccl" logger with its own level or handlers is left alone, and where the root
     logger has handlers (the application set up logging) only the level is set and records flow there."""
-    env = os.environ if env is None else env
-    raw = env.get("HETCCL_DEBUG", "").strip()
-    if not raw:
+    name = params.lookup("HETCCL_DEBUG", env)
+    if not name:
         return
-    level = _LEVELS.get(raw.upper())
-    if level is None:
-        raise ConfigError(f"HETCCL_DEBUG={raw!r}: use WARN, INFO or DEBUG")
+    level = _LEVELS[name]
     lg = logging.getLogger("hetccl")
     if getattr(lg, "_hetccl_configured", False) or lg.handlers or lg.level != logging.NOTSET:
         return
@@ -87,13 +84,11 @@ def setup(identity: Identity) -> None:
     global _RANK
     _RANK = str(identity.rank)
     configure_logging()
-    if os.environ.get("HETCCL_METRICS_PORT"):
-        from .metrics import parse_port, require_client
+    if params.get("HETCCL_METRICS_PORT") is not None:
+        from .metrics import require_client
 
-        parse_port(os.environ["HETCCL_METRICS_PORT"])
         require_client()
-    if "HETCCL_TRACE" in os.environ and not os.environ["HETCCL_TRACE"].strip():
-        raise ConfigError("HETCCL_TRACE is set but empty: give a file path, e.g. HETCCL_TRACE=/tmp/trace.json")
+    params.get("HETCCL_TRACE")  # set but empty: ConfigError now, before anything is sent
 
 
 def _refresh() -> None:
@@ -107,17 +102,17 @@ async def on_init(fab: Fabric, bind: str) -> None:
     global TRACE, METRICS
     if log.isEnabledFor(logging.INFO):
         log.info("%s", init_summary(fab))
-    path = os.environ.get("HETCCL_TRACE", "").strip()
+    path = params.get("HETCCL_TRACE")
     if path and TRACE is None:
         from .trace import Tracer, clock_offset, test_skew_ns
 
         offset, err = await clock_offset(fab.store, skew_ns=test_skew_ns(fab.rank))
         TRACE = Tracer.open(path, fab, offset, err)
-    port = os.environ.get("HETCCL_METRICS_PORT", "").strip()
-    if port and METRICS is None:
+    port = params.get("HETCCL_METRICS_PORT")
+    if port is not None and METRICS is None:
         from .metrics import Metrics
 
-        METRICS = Metrics.start(fab, port, os.environ.get("HETCCL_METRICS_ADDR") or bind)
+        METRICS = Metrics.start(fab, str(port), params.get("HETCCL_METRICS_ADDR") or bind)
     _refresh()
 
 

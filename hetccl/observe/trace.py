@@ -28,6 +28,7 @@ import socket
 import time
 from typing import Any
 
+from .. import params
 from ..errors import ConfigError, HetcclError
 
 FLUSH_EVERY = 4096
@@ -45,8 +46,7 @@ def trace_path(template: str, rank: int) -> str:
 def test_skew_ns(rank: int) -> int:
     """HETCCL_TEST_CLOCK_SKEW_US="0,5000000,...": a per-rank shift of this rank's clock, for tests that
     emulate hosts whose clocks disagree (the correction must remove it). Not for production use."""
-    raw = os.environ.get("HETCCL_TEST_CLOCK_SKEW_US", "")
-    parts = [p for p in raw.split(",") if p.strip()]
+    parts = params.get("HETCCL_TEST_CLOCK_SKEW_US")
     return int(float(parts[rank]) * 1000) if rank < len(parts) else 0
 
 
@@ -92,11 +92,7 @@ class Tracer:
 
     @classmethod
     def open(cls, template: str, fab: Any, offset_ns: int, err_ns: int | None) -> Tracer:
-        raw = os.environ.get("HETCCL_TRACE_MAX_EVENTS", "")
-        try:
-            max_events = int(raw) if raw else DEFAULT_MAX_EVENTS
-        except ValueError:
-            raise ConfigError(f"HETCCL_TRACE_MAX_EVENTS={raw!r} is not a whole number") from None
+        max_events = params.get("HETCCL_TRACE_MAX_EVENTS")
         rec = fab.records[fab.rank] if fab.records else {}
         meta = {"hostname": rec.get("hostname", socket.gethostname()), "island": rec.get("island", "?"),
                 "pid": os.getpid(), "world_size": fab.size, "job": fab.job,

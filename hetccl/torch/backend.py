@@ -14,7 +14,6 @@ import datetime
 import os
 import secrets
 import socket
-import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl
-from hetccl import lifecycle
+from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
 from hetccl.gpu.runtime import torch_stream
 
@@ -30,7 +29,6 @@ BACKEND_NAME = "hetccl"
 
 _ADDR_KEY = "hetccl/addr"
 _SECRET_KEY = "hetccl/secret"
-_ENV_LOCK = threading.Lock()
 
 _OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -111,24 +109,15 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
         store.set(_ADDR_KEY, f"{host}:{_free_port(host)}")
     addr = store.get(_ADDR_KEY).decode()
     secret = store.get(_SECRET_KEY).decode()
-    kwargs: dict[str, Any] = {"rank": rank, "world_size": size, "addr": addr}
-    if "HETCCL_TIMEOUT" not in os.environ and timeout is not None:
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": size, "addr": addr, "secret": secret}
+    if not params.is_set("HETCCL_TIMEOUT") and timeout is not None:  # the variable wins over the group's
         kwargs["timeout"] = float(timeout.total_seconds())
-    with _ENV_LOCK:  # init reads HETCCL_SECRET from the environment; put back what was there
-        old = os.environ.get("HETCCL_SECRET")
-        os.environ["HETCCL_SECRET"] = secret
-        try:
-            return hetccl.init_sync(**kwargs)
-        finally:
-            if old is None:
-                os.environ.pop("HETCCL_SECRET", None)
-            else:
-                os.environ["HETCCL_SECRET"] = old
+    return hetccl.init_sync(**kwargs)
 
 
 # CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
-_CUDA_DIRECT = os.environ.get("HETCCL_TORCH_CUDA", "direct") != "staged"
+_CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
 
 
 class _Staged:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import native
+from .. import native, params
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
 from ..shmseg import Segment
@@ -51,13 +51,11 @@ SLOT_HDR = HDR_LEN + FRAG.size
 
 
 def _slot_bytes() -> int:
-    from ..config import parse_size
-
-    return max(PAGE, parse_size(os.environ.get("HETCCL_SHM_SLOT_BYTES", "256K")))
+    return params.get("HETCCL_SHM_SLOT_BYTES")
 
 
 def _num_slots() -> int:
-    return max(2, int(os.environ.get("HETCCL_SHM_SLOTS", "16")))
+    return params.get("HETCCL_SHM_SLOTS")
 
 
 class _Ring:

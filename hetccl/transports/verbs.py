@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import env_int, parse_ib_devices, parse_size
+from .. import params
 from ..errors import (
     CollectiveTimeout,
     ConfigError,
@@ -80,9 +80,6 @@ FRAG_FIRST, FRAG_NEXT, FRAG_CREDIT = 1, 2, 3
 HDR_FIRST = FRAG.size + DATA_HEADER.size
 CTRL_SLOTS = 8
 SEND_WR_BASE = 1 << 32
-DEFAULT_SLOTS = 16
-DEFAULT_SLOT_BYTES = 128 << 10
-DEFAULT_REG_MIN = 32 << 10
 SYSTEM_SITE_DIRS = ("/usr/lib/python3/dist-packages", "/usr/lib64/python3/site-packages",
                     f"/usr/lib/python3.{sys.version_info.minor}/site-packages",
                     f"/usr/lib64/python3.{sys.version_info.minor}/site-packages")
@@ -894,7 +891,10 @@ class VerbsTransport(Transport):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        key = (os.environ.get("HETCCL_IB_DEVICE", ""), os.environ.get("HETCCL_LOCAL_RANK", ""))
+        try:
+            key = (tuple(params.get("HETCCL_IB_DEVICE")), os.environ.get("HETCCL_LOCAL_RANK", ""))
+        except ConfigError as exc:  # a bad HETCCL_IB_DEVICE is the reason
+            return str(exc)
         if key not in _REASON_CACHE:
             _REASON_CACHE[key] = cls._why_not()
         return _REASON_CACHE[key]
@@ -914,10 +914,7 @@ class VerbsTransport(Transport):
             return str(exc).removeprefix("verbs: ")
         if not names:
             return NO_DEVICE
-        try:
-            wanted = parse_ib_devices(os.environ.get("HETCCL_IB_DEVICE", ""))
-        except ConfigError as exc:
-            return str(exc)
+        wanted = params.get("HETCCL_IB_DEVICE")
         if wanted:
             name, port = wanted[_local_rank() % len(wanted)]
             if name not in names:
@@ -932,12 +929,11 @@ class VerbsTransport(Transport):
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
         self.pv: Any = None
-        env = os.environ
-        self.slots = env_int("HETCCL_IB_SLOTS", DEFAULT_SLOTS, 2, 4096)
-        self.slot_bytes = parse_size(env.get("HETCCL_IB_SLOT_BYTES") or str(DEFAULT_SLOT_BYTES))
+        self.slots = params.get("HETCCL_IB_SLOTS")
+        self.slot_bytes = params.get("HETCCL_IB_SLOT_BYTES")
         if self.slot_bytes < 4096 or self.slot_bytes & (self.slot_bytes - 1) or self.slot_bytes > 1 << 30:
             raise ConfigError(f"HETCCL_IB_SLOT_BYTES={self.slot_bytes} must be a power of two in 4K..1G")
-        self.reg_min = parse_size(env.get("HETCCL_IB_REG_MIN") or str(DEFAULT_REG_MIN))
+        self.reg_min = params.get("HETCCL_IB_REG_MIN")
         self.dev: Device | None = None
         self.cq: Any = None
         self.channel: Any = None

@@ -18,6 +18,7 @@ _TARGET = "torch.distributed.distributed_c10d"
 
 
 def _patch(module) -> None:
+    # not through hetccl.params: this runs at start-up without importing hetccl (tests/test_params.py: EXEMPT)
     aliases = {a.strip().lower() for a in os.environ.get("HETCCL_TORCH_ALIAS", "").split(",") if a.strip()}
     original = module.init_process_group
 
