@@ -16,6 +16,8 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
 DEFAULT_WAIT_NOTICE = (10.0, 30.0)  # a rank waiting to join says so after 10 s, then every 30 s
+MAX_SOCKET_NSTREAMS = 64
+DEFAULT_SOCKET_BUF_BYTES = 4 << 20
 
 # (source name, rank var, size var, local-rank var, how the address is found)
 _RANK_SOURCES = (
@@ -61,6 +63,17 @@ def env_int(name: str, default: int, lo: int, hi: int, env: dict[str, str] | Non
     if not lo <= value <= hi:
         raise ConfigError(f"{name}={raw!r} must be between {lo} and {hi}")
     return value
+
+
+def default_socket_nstreams() -> int:
+    """TCP connections per peer pair when HETCCL_SOCKET_NSTREAMS is unset: one per 4 usable cores, 1 to 4. Each
+    stream's copies run on threads of their own; on 2 cores extra streams only add thread hand-offs
+    (benchmarks/results/tcp-streams-2026-12-01.md), on many cores they copy in parallel."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
 
 
 def parse_ib_devices(text: str) -> list[tuple[str, int]]:
@@ -218,6 +231,8 @@ class Settings:
     ib_devices: list[tuple[str, int]] = field(default_factory=list)  # HETCCL_IB_DEVICE (verbs)
     ib_gid_index: int | None = None  # HETCCL_IB_GID_INDEX (verbs, RoCE)
     wait_notice: tuple[float, float] = DEFAULT_WAIT_NOTICE  # HETCCL_WAIT_NOTICE (first, every) in s; inf = never
+    socket_nstreams: int = field(default_factory=default_socket_nstreams)  # HETCCL_SOCKET_NSTREAMS
+    socket_buf_bytes: int = DEFAULT_SOCKET_BUF_BYTES  # HETCCL_SOCKET_BUF_BYTES: SO_SNDBUF/SO_RCVBUF
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -244,4 +259,10 @@ class Settings:
         s.ib_devices = parse_ib_devices(env.get("HETCCL_IB_DEVICE", ""))
         s.ib_gid_index = parse_ib_gid_index(env.get("HETCCL_IB_GID_INDEX"))
         s.wait_notice = parse_wait_notice(env.get("HETCCL_WAIT_NOTICE"))
+        s.socket_nstreams = env_int("HETCCL_SOCKET_NSTREAMS", s.socket_nstreams, 1, MAX_SOCKET_NSTREAMS, env)
+        if env.get("HETCCL_SOCKET_BUF_BYTES", "").strip():
+            s.socket_buf_bytes = parse_size(env["HETCCL_SOCKET_BUF_BYTES"])
+            if not 4096 <= s.socket_buf_bytes <= 1 << 30:
+                raise ConfigError(f"HETCCL_SOCKET_BUF_BYTES={env['HETCCL_SOCKET_BUF_BYTES']!r} must be between "
+                                  "4K and 1G")
         return s
