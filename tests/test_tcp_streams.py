@@ -182,3 +182,46 @@ def test_fragments_tile_the_message(nbytes: int, parts: int) -> None:
 def test_fragment_count_out_of_bounds_rejected(parts: int) -> None:
     with pytest.raises(ProtocolError):
         unpack_frame_header(pack_fragment_header(_fp(1), 1, 1 << 20, 0, parts), 1 << 40)
+
+
+def test_native_socket_loops_end_every_wait() -> None:
+    """The worker threads' native loops: a whole transfer; a stall ends at the no-progress deadline; a stop
+    flag set by another thread ends the wait; the peer's close is EOF with the exact bytes received; a send to a
+    closed peer is an error, not SIGPIPE."""
+    import threading
+    import time
+
+    from hetccl._native import lib
+
+    from hetccl.netio import new_stop_flag, pump_recv, pump_send
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setblocking(False)
+    b.setblocking(False)
+    stop = new_stop_flag()
+    payload = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)
+    got = np.zeros_like(payload)
+    sender = threading.Thread(target=lambda: pump_send(a.fileno(), b"head", payload, 10.0, stop))
+    sender.start()
+    head = np.zeros(4, np.uint8)
+    assert pump_recv(b.fileno(), head, 10.0, stop) == (0, 4) and bytes(head) == b"head"
+    assert pump_recv(b.fileno(), got, 10.0, stop) == (0, len(got))
+    sender.join()
+    assert np.array_equal(got, payload)
+
+    t0 = time.monotonic()
+    assert pump_recv(b.fileno(), got[:10], 0.3, stop) == (lib.HCCL_IO_TIMEOUT, 0)
+    assert 0.25 < time.monotonic() - t0 < 3
+
+    threading.Timer(0.2, lambda: stop.__setitem__(0, 1)).start()
+    t0 = time.monotonic()
+    assert pump_recv(b.fileno(), got[:10], 30.0, stop) == (lib.HCCL_IO_STOPPED, 0)
+    assert time.monotonic() - t0 < 3
+    stop[0] = 0
+
+    a.send(b"xyz")
+    a.close()
+    assert pump_recv(b.fileno(), got[:10], 10.0, stop) == (lib.HCCL_IO_EOF, 3)
+    status, _sent = pump_send(b.fileno(), b"", payload, 10.0, stop)
+    assert status < 0  # -EPIPE or -ECONNRESET
+    b.close()

@@ -7,7 +7,9 @@ A transport moves bytes between two ranks. It is created once per process fabric
 - `send(fp, tag, src)` returns once `src` may be reused.
 - `post_recv(fp, tag, dst, reduce)` returns a future completed when the message (comm, seq, tag) has
   landed in `dst` — or, with `reduce=(dtype, op)`, has been reduced into `dst` (dst = dst OP incoming),
-  which lets a shared-memory transport reduce straight out of the shared segment.
+  which lets a shared-memory transport reduce straight out of the shared segment. `reduce` may run on a
+  transport's worker thread (TCP reduces large payloads where it receives them), so it must only touch `dst`
+  and `incoming`.
 
 Messages are matched by (communicator id, sequence number, tag), never by arrival order, so several
 collectives may be in flight. Data that arrives before its receive is posted waits in a bounded
