@@ -749,3 +749,6 @@ def test_socket_settings_read() -> None:
     assert (s.socket_nstreams, s.socket_buf_bytes) == (8, 16 << 20)
     with pytest.raises(ConfigError, match="HETCCL_SOCKET_BUF_BYTES"):
         Settings.from_env({"HETCCL_SOCKET_BUF_BYTES": "1"})
+    assert Settings.from_env({"HETCCL_SOCKET_OFFLOAD_BYTES": "1M"}).socket_offload_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="HETCCL_SOCKET_OFFLOAD_BYTES"):
+        Settings.from_env({"HETCCL_SOCKET_OFFLOAD_BYTES": "12"})

@@ -36,19 +36,20 @@ from hetccl.wire import (
 pytestmark = pytest.mark.timeout(120)
 
 
-def _transport(rank: int, lost: list) -> TcpTransport:
-    settings = dataclasses.replace(Settings.from_env({"HETCCL_TIMEOUT": "20"}), unexpected_bytes=64 << 20)
+def _transport(rank: int, lost: list, offload: int = 64 << 10) -> TcpTransport:
+    settings = dataclasses.replace(Settings.from_env({"HETCCL_TIMEOUT": "20"}), unexpected_bytes=64 << 20,
+                                   socket_offload_bytes=offload)
     ctx = TransportContext(rank=rank, size=2, job="t", host_id="h", settings=settings, store=None,  # type: ignore[arg-type]
                            bind_host="127.0.0.1", on_peer_lost=lambda p, e: lost.append((p, e)))
     return TcpTransport(ctx)
 
 
-def _endpoints(nstreams: int, lost: list) -> tuple[TcpEndpoint, TcpEndpoint]:
+def _endpoints(nstreams: int, lost: list, offload: int = 64 << 10) -> tuple[TcpEndpoint, TcpEndpoint]:
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(nstreams)]
     for s in (s for p in pairs for s in p):
         s.setblocking(False)
-    return (TcpEndpoint(_transport(0, lost), 1, [p[0] for p in pairs]),
-            TcpEndpoint(_transport(1, lost), 0, [p[1] for p in pairs]))
+    return (TcpEndpoint(_transport(0, lost, offload), 1, [p[0] for p in pairs]),
+            TcpEndpoint(_transport(1, lost, offload), 0, [p[1] for p in pairs]))
 
 
 def _fp(seq: int, count: int = 0) -> Fingerprint:
@@ -59,12 +60,14 @@ def _sum_f32(dst: np.ndarray, src: np.ndarray) -> None:
     reduce_into(dst, src, DType.FLOAT32, ReduceOp.SUM)
 
 
+@pytest.mark.parametrize("offload", [64 << 10, 1 << 40], ids=["threads", "loop"])
 @pytest.mark.parametrize("nstreams", [1, 2, 3, 4])
-async def test_endpoint_streams_odd_sizes(nstreams: int) -> None:
+async def test_endpoint_streams_odd_sizes(nstreams: int, offload: int) -> None:
     """Copies and reductions of sizes that divide neither by the streams nor by the alignment, some posted
-    before the data arrives and some after (the early buffer), all in flight together."""
+    before the data arrives and some after (the early buffer), all in flight together; payloads moved by the
+    streams' threads or all on the event loop."""
     lost: list = []
-    a, b = _endpoints(nstreams, lost)
+    a, b = _endpoints(nstreams, lost, offload)
     counts = [1, 1023, 65_537, 262_147, 1_000_003, 3 * (1 << 20) + 5]
     rng = np.random.default_rng(nstreams)
     srcs = [rng.integers(-8, 8, c).astype(np.float32) for c in counts]
@@ -110,11 +113,11 @@ async def test_endpoint_size_mismatch_fails_the_receive() -> None:
     await asyncio.gather(a.close(), b.close())
 
 
-@pytest.mark.parametrize(("n", "nstreams"), [(2, 1), (3, 3), (2, 4)])
-def test_job_over_streams(n: int, nstreams: int) -> None:
+@pytest.mark.parametrize(("n", "nstreams", "offload"), [(2, 1, "64K"), (3, 3, "64K"), (2, 4, "1G")])
+def test_job_over_streams(n: int, nstreams: int, offload: str) -> None:
     run_ranks(n, "tcp_stream_workers:streams_mix", timeout=200,
               env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_SOCKET_NSTREAMS": str(nstreams),
-                   "HETCCL_CHUNK_BYTES": "4M", "HETCCL_TIMEOUT": "60"})
+                   "HETCCL_SOCKET_OFFLOAD_BYTES": offload, "HETCCL_CHUNK_BYTES": "4M", "HETCCL_TIMEOUT": "60"})
 
 
 async def test_ends_agree_on_the_smaller_stream_count() -> None:
@@ -149,14 +152,15 @@ def test_dead_peer_mid_fragmented_message(nstreams: int) -> None:
     PeerLostError naming it, long before the 60 s deadline."""
     procs = spawn_ranks(2, "workers:die_mid_message", victim=1,
                         env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_SOCKET_NSTREAMS": str(nstreams),
-                             "HETCCL_TIMEOUT": "60"})
+                             "HETCCL_SOCKET_OFFLOAD_BYTES": "64K", "HETCCL_TIMEOUT": "60"})
     assert_victim_named(finish(procs, 40), 1)
 
 
 def test_dead_peer_mid_collective_over_streams() -> None:
     """A rank exits hard inside large all_reduces over 3 streams: both survivors name it."""
     procs = spawn_ranks(3, "workers:die_midway", victim=2,
-                        env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_SOCKET_NSTREAMS": "3", "HETCCL_TIMEOUT": "60"})
+                        env={"HETCCL_TRANSPORTS": "tcp", "HETCCL_SOCKET_NSTREAMS": "3",
+                             "HETCCL_SOCKET_OFFLOAD_BYTES": "64K", "HETCCL_TIMEOUT": "60"})
     assert_victim_named(finish(procs, 60), 2)
 
 

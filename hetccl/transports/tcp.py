@@ -1,7 +1,7 @@
 """TCP transport: `HETCCL_SOCKET_NSTREAMS` authenticated connections ("streams") per peer pair.
 
 Headers are read, and small payloads moved, by asyncio tasks on the event loop (uvloop), one reader per
-stream. Payloads from OFFLOAD_MIN_BYTES on are moved by a worker thread of their stream running the native
+stream. Payloads from HETCCL_SOCKET_OFFLOAD_BYTES on are moved by a worker thread of their stream running the native
 loop (netio.pump_send/pump_recv): it releases the GIL for the whole transfer, so streams copy in parallel on
 several cores while the loop goes on with the others (one asyncio stream tops out near 3 GB/s on loopback).
 Each stream has its own send thread and receive thread: a transfer in one never waits for a thread busy with
@@ -45,7 +45,6 @@ from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
-OFFLOAD_MIN_BYTES = 64 << 10  # payloads from this size are moved by a stream's worker thread
 SPLIT_MIN_BYTES = 256 << 10  # messages from this size are cut across the streams...
 FRAGMENT_MIN_BYTES = 128 << 10  # ...into pieces of at least this size
 REDUCE_PIECE_BYTES = 256 << 10  # a reduced payload is received and reduced piece by piece (stays in cache)
@@ -147,6 +146,7 @@ class TcpEndpoint(Endpoint):
         self.matcher = Matcher(transport.ctx.rank, peer, settings.unexpected_bytes)
         self.max_payload = 1 << 40  # one frame may carry a whole (huge) p2p or all_to_all buffer
         self.timeout = settings.timeout
+        self.offload_min = settings.socket_offload_bytes  # payloads from this size go to the stream's threads
         self.streams = [_Stream(i, s, peer) for i, s in enumerate(socks)]
         self.sock = socks[0]
         self._rotor = itertools.count()  # which stream takes a message's first piece
@@ -185,7 +185,7 @@ class TcpEndpoint(Endpoint):
         parts = [hdr, payload] if len(payload) else [hdr]
         progress = [0]
         try:
-            if len(payload) >= OFFLOAD_MIN_BYTES:
+            if len(payload) >= self.offload_min:
                 job = st.submit("send", pump_send, st.fd, hdr, payload, self.timeout, st.send_stop)
                 try:
                     status, progress[0] = await asyncio.wrap_future(job)
@@ -254,7 +254,7 @@ class TcpEndpoint(Endpoint):
         return self.matcher.post(fp, tag, dst, reduce)
 
     async def _recv_payload(self, st: _Stream, dst: np.ndarray | memoryview) -> None:
-        if len(dst) < OFFLOAD_MIN_BYTES:
+        if len(dst) < self.offload_min:
             await recv_into_exact(self.loop, st.sock, memoryview(dst), self.peer)
             return
         job = st.submit("recv", pump_recv, st.fd, dst, self.timeout, st.recv_stop)
@@ -264,10 +264,12 @@ class TcpEndpoint(Endpoint):
 
     async def _recv_reduced(self, st: _Stream, dst: np.ndarray, reduce: Any) -> None:
         """dst = dst OP payload: on the worker thread for large payloads, else here."""
-        if len(dst) < OFFLOAD_MIN_BYTES:
-            scratch = st.scratch_for(len(dst))
-            await recv_into_exact(self.loop, st.sock, memoryview(scratch), self.peer)
-            reduce(dst, scratch)
+        if len(dst) < self.offload_min:  # piece by piece too: each piece is reduced while still in cache
+            for off in range(0, len(dst), REDUCE_PIECE_BYTES):
+                piece = dst[off: off + REDUCE_PIECE_BYTES]
+                scratch = st.scratch_for(len(piece))
+                await recv_into_exact(self.loop, st.sock, memoryview(scratch), self.peer)
+                reduce(piece, scratch)
             return
         scratch = st.scratch_for(REDUCE_PIECE_BYTES)
         job = st.submit("recv", _recv_reduce, st.fd, scratch, dst, reduce, self.timeout, st.recv_stop)
