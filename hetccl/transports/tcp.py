@@ -335,8 +335,12 @@ class TcpEndpoint(Endpoint):
         elif asm.fp != fp or asm.nbytes != nbytes or asm.parts != parts or asm.seen >> part & 1:
             raise ProtocolError(f"rank {self.peer} sent fragment {part} of {parts} of a {nbytes}-byte message "
                                 f"that does not fit the pieces already received")
-        else:
-            await asyncio.wait_for(asm.ready.wait(), self.timeout)
+        elif not asm.ready.is_set():  # the first piece waits for room in the early buffer
+            try:
+                await asyncio.wait_for(asm.ready.wait(), self.timeout)
+            except TimeoutError:
+                raise CollectiveTimeout(f"rank {m.me}: a {nbytes}-byte message from rank {self.peer} for "
+                                        f"{fp.describe()} waited {self.timeout:.0f} s for room") from None
         asm.seen |= 1 << part
         off, length = fragment_span(nbytes, parts, part)
         req = asm.req
