@@ -841,3 +841,120 @@ const char *hccl_build_info(void)
 {
     return hccl_info_buf;
 }
+
+/* ------------------------------------------------------------------------------------------------ */
+/* socket pumping (TCP transport)                                                                    */
+/* ------------------------------------------------------------------------------------------------ */
+
+#if defined(_WIN32)
+int hccl_sock_send(int fd, const void *head, size_t hlen, const void *body, size_t n, uint64_t idle_ns,
+                   const volatile int *stop, size_t *done)
+{
+    (void)fd; (void)head; (void)hlen; (void)body; (void)n; (void)idle_ns; (void)stop;
+    *done = 0;
+    return -38; /* ENOSYS: the transport keeps to its event-loop path */
+}
+
+int hccl_sock_recv(int fd, void *buf, size_t n, uint64_t idle_ns, const volatile int *stop, size_t *done)
+{
+    (void)fd; (void)buf; (void)n; (void)idle_ns; (void)stop;
+    *done = 0;
+    return -38;
+}
+#else
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define HCCL_IO_SLICE_MS 20 /* how late a stop is seen while waiting */
+
+/* Wait until fd is ready for `events`; 0 ready, else HCCL_IO_STOPPED / HCCL_IO_TIMEOUT / -errno. */
+static int hccl_io_wait(int fd, short events, uint64_t since_ns, uint64_t idle_ns, const volatile int *stop)
+{
+    for (;;) {
+        if (stop != NULL && __atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            return HCCL_IO_STOPPED;
+        uint64_t now = hccl_now_ns();
+        if (now - since_ns >= idle_ns)
+            return HCCL_IO_TIMEOUT;
+        uint64_t left_ms = (idle_ns - (now - since_ns)) / 1000000 + 1;
+        struct pollfd p = {fd, events, 0};
+        int r = poll(&p, 1, left_ms < HCCL_IO_SLICE_MS ? (int)left_ms : HCCL_IO_SLICE_MS);
+        if (r > 0)
+            return 0; /* readable/writable, or an error/hang-up the next call reports */
+        if (r < 0 && errno != EINTR)
+            return -errno;
+    }
+}
+
+int hccl_sock_send(int fd, const void *head, size_t hlen, const void *body, size_t n, uint64_t idle_ns,
+                   const volatile int *stop, size_t *done)
+{
+    size_t total = hlen + n, sent = 0;
+    uint64_t since = hccl_now_ns();
+    *done = 0;
+    while (sent < total) {
+        if (stop != NULL && __atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            return HCCL_IO_STOPPED;
+        struct iovec iov[2];
+        int k = 0;
+        if (sent < hlen) {
+            iov[k].iov_base = (char *)head + sent;
+            iov[k++].iov_len = hlen - sent;
+        }
+        if (n) {
+            size_t off = sent > hlen ? sent - hlen : 0;
+            iov[k].iov_base = (char *)body + off;
+            iov[k++].iov_len = n - off;
+        }
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = k;
+        ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (r > 0) {
+            sent += (size_t)r;
+            *done = sent;
+            since = hccl_now_ns();
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return -errno;
+        int w = hccl_io_wait(fd, POLLOUT, since, idle_ns, stop);
+        if (w)
+            return w;
+    }
+    return 0;
+}
+
+int hccl_sock_recv(int fd, void *buf, size_t n, uint64_t idle_ns, const volatile int *stop, size_t *done)
+{
+    size_t got = 0;
+    uint64_t since = hccl_now_ns();
+    *done = 0;
+    while (got < n) {
+        if (stop != NULL && __atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            return HCCL_IO_STOPPED;
+        ssize_t r = recv(fd, (char *)buf + got, n - got, 0);
+        if (r > 0) {
+            got += (size_t)r;
+            *done = got;
+            since = hccl_now_ns();
+            continue;
+        }
+        if (r == 0)
+            return HCCL_IO_EOF;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -errno;
+        int w = hccl_io_wait(fd, POLLIN, since, idle_ns, stop);
+        if (w)
+            return w;
+    }
+    return 0;
+}
+#endif
