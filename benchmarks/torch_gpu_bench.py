@@ -12,8 +12,8 @@ torch.distributed alone:
   throughput), the source article's metric.
 
 Variants: NCCL (default, P2P off, sockets only) and hetccl (one island; two and three islands over the zero-copy
-link, host staging over shm, and TCP between islands). With fewer GPUs than ranks, ranks share the GPUs round-robin
-(hetccl's islands of one rank each can; NCCL's ranks cannot)."""
+link, host staging over shm, TCP between islands, and islands acting as other hosts with HETCCL_HOST). With fewer
+GPUs than ranks, ranks share the GPUs round-robin (hetccl's islands of one rank each can; NCCL's ranks cannot)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ VARIANTS: dict[str, tuple[str, int, dict[str, str]]] = {
     "hetccl 2 islands, link": ("hetccl", 2, TWO),
     "hetccl 2 islands, shm": ("hetccl", 2, {**TWO, "HETCCL_PAIRLINK": "0"}),
     "hetccl 2 islands, tcp": ("hetccl", 2, {**TWO, "HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}),
+    "hetccl 2 islands, other hosts": ("hetccl", 2, {**TWO, "HETCCL_HOST": "h0,h1"}),
     "hetccl 3 islands, link": ("hetccl", 3, THREE),
     "hetccl 3 islands, shm": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0"}),
     "hetccl 3 islands, tcp": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}),
+    "hetccl 3 islands, other hosts": ("hetccl", 3, {**THREE, "HETCCL_HOST": "h0,h1,h2"}),
 }
 
 
