@@ -18,13 +18,7 @@ from typing import Any
 
 from . import params
 from .errors import ConfigError
-from .params import (  # noqa: F401  (config's names: callers import them here)
-    DEFAULT_WAIT_NOTICE,
-    default_socket_nstreams,
-    default_socket_offload_bytes,
-    parse_size,
-    usable_cores,
-)
+from .params import DEFAULT_WAIT_NOTICE, parse_size  # noqa: F401  (config's names: callers import them here)
 
 DEFAULT_TIMEOUT_S: float = params.TABLE["HETCCL_TIMEOUT"].default
 DEFAULT_CHUNK_BYTES: int = params.TABLE["HETCCL_CHUNK_BYTES"].default
@@ -34,7 +28,6 @@ DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
 # launcher writes them and identity_from_env reads them, beside torchrun's, Slurm's and Open MPI's own
 RANK_VARIABLES = ("HETCCL_RANK", "HETCCL_WORLD_SIZE", "HETCCL_LOCAL_RANK", "HETCCL_LOCAL_WORLD_SIZE", "HETCCL_ADDR",
                   "HETCCL_LAUNCHED")
-MAX_SOCKET_NSTREAMS = 64  # connections per peer pair at most (wire.MAX_FRAGMENTS)
 
 # (source name, rank var, size var, local-rank var, how the address is found)
 _RANK_SOURCES = (
@@ -224,9 +217,6 @@ class Settings:
     ib_gid_index: int | None = _default("HETCCL_IB_GID_INDEX")  # verbs, RoCE
     wait_notice: tuple[float, float] = _default("HETCCL_WAIT_NOTICE")  # (first, every) in s; inf = never
     host: str | None = None  # HETCCL_HOST: the host this process acts as (its entry, for a list)
-    socket_nstreams: int = _default("HETCCL_SOCKET_NSTREAMS")  # TCP connections per peer pair
-    socket_buf_bytes: int = _default("HETCCL_SOCKET_BUF_BYTES")  # SO_SNDBUF/SO_RCVBUF
-    socket_offload_bytes: int = _default("HETCCL_SOCKET_OFFLOAD_BYTES")  # TCP payloads moved by worker threads
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod

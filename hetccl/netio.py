@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 from typing import Any
 
-from ._native import ffi, lib
-from .errors import CollectiveTimeout, HetcclError, PeerLostError
+from .errors import PeerLostError
 from .wire import CONTROL_LEN, control_length, decode_control_body, encode_control
 
 
@@ -27,61 +25,6 @@ async def recv_into_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, 
         if k == 0:
             raise PeerLostError(f"rank {peer} closed the connection", peer)
         got += k
-
-
-async def recv_header(loop: asyncio.AbstractEventLoop, sock: socket.socket, mv: memoryview, peer: int = -1
-                      ) -> bool:
-    """recv_into_exact, but False when the peer closed before the first byte (a clean end between frames)."""
-    try:
-        k = sock.recv_into(mv)
-    except BlockingIOError:
-        try:
-            k = await loop.sock_recv_into(sock, mv)
-        except (ConnectionError, OSError) as exc:
-            raise PeerLostError(f"connection to rank {peer} failed: {exc}", peer) from None
-    except (ConnectionError, OSError) as exc:
-        raise PeerLostError(f"connection to rank {peer} failed: {exc}", peer) from None
-    if k == 0:
-        return False
-    if k < len(mv):
-        await recv_into_exact(loop, sock, mv[k:], peer)
-    return True
-
-
-# Blocking transfers for worker threads: the native loop (native/hetccl_native.c, hccl_sock_send/recv) moves
-# the whole payload with the GIL released. `stop` is an int[] cell (new_stop_flag) another thread may set.
-def new_stop_flag() -> Any:
-    return ffi.new("int[1]")
-
-
-def pump_send(fd: int, head: bytes, body: Any, idle_s: float, stop: Any) -> tuple[int, int]:
-    """Send head then body on fd -> (status, bytes sent): status 0, HCCL_IO_* or -errno."""
-    done = ffi.new("size_t[1]")
-    head_ptr, body_ptr = ffi.from_buffer("char[]", head), ffi.from_buffer("char[]", body)
-    rc = lib.hccl_sock_send(fd, head_ptr, len(head_ptr), body_ptr, len(body_ptr), int(idle_s * 1e9), stop, done)
-    return rc, done[0]
-
-
-def pump_recv(fd: int, buf: Any, idle_s: float, stop: Any) -> tuple[int, int]:
-    """Fill buf from fd -> (status, bytes received): status 0, HCCL_IO_* or -errno."""
-    done = ffi.new("size_t[1]")
-    buf_ptr = ffi.from_buffer("char[]", buf, True)
-    rc = lib.hccl_sock_recv(fd, buf_ptr, len(buf_ptr), int(idle_s * 1e9), stop, done)
-    return rc, done[0]
-
-
-def pump_error(status: int, peer: int, what: str, idle_s: float) -> HetcclError:
-    """The error a failed pump_send/pump_recv stands for."""
-    if status == lib.HCCL_IO_EOF:
-        return PeerLostError(f"rank {peer} closed the connection", peer)
-    if status == lib.HCCL_IO_TIMEOUT:
-        return CollectiveTimeout(f"{what} rank {peer}: no progress for {idle_s:.0f} s")
-    if status == lib.HCCL_IO_STOPPED:
-        return PeerLostError(f"connection to rank {peer} closed locally", peer)
-    return PeerLostError(f"{what} rank {peer} failed: {os.strerror(-status) if status < 0 else status}", peer)
-
-
-IO_STOPPED = lib.HCCL_IO_STOPPED
 
 
 async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, peer: int = -1) -> bytes:
@@ -138,24 +81,15 @@ async def write_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, ob
     await send_all(loop, sock, [encode_control(obj, max_bytes)], peer)
 
 
-_FORCED_BUF_OPTS = {socket.SO_SNDBUF: getattr(socket, "SO_SNDBUFFORCE", None),
-                    socket.SO_RCVBUF: getattr(socket, "SO_RCVBUFFORCE", None)}
-
-
-def tune_socket(sock: socket.socket, buf_bytes: int = 4 << 20) -> None:
-    """Non-blocking, no Nagle, socket buffers of buf_bytes (HETCCL_SOCKET_BUF_BYTES). The kernel caps SO_SNDBUF
-    and SO_RCVBUF at net.core.wmem_max/rmem_max; a process allowed to (CAP_NET_ADMIN) goes past the cap with
-    the *FORCE options, as a deep buffer is what keeps a fast link busy."""
+def tune_socket(sock: socket.socket) -> None:
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt, forced in _FORCED_BUF_OPTS.items():
-            for name in (forced, opt) if forced is not None else (opt,):
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, name, buf_bytes)
-                    break
-                except OSError:
-                    pass
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            except OSError:
+                pass
 
 
 def route_source_addr(dest_host: str, dest_port: int) -> str:

@@ -189,27 +189,6 @@ def _skews(text: str) -> list[float]:
         raise ConfigError(f"HETCCL_TEST_CLOCK_SKEW_US={text!r}: write microseconds per rank, e.g. 0,5000") from None
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def default_socket_nstreams() -> int:
-    """TCP connections per peer pair when HETCCL_SOCKET_NSTREAMS is unset: one per 4 usable cores, 1 to 4. Each
-    stream's copies run on threads of their own; on 2 cores extra streams only add thread hand-offs
-    (benchmarks/results/tcp-streams-2026-12-01.md), on many cores they copy in parallel."""
-    return max(1, min(4, usable_cores() // 4))
-
-
-def default_socket_offload_bytes() -> int:
-    """TCP payloads from this size are moved by worker threads when HETCCL_SOCKET_OFFLOAD_BYTES is unset: 64 KiB
-    with 4 usable cores or more; below that a hand-off to a thread costs more than the copy it takes off the
-    event loop (1 MiB all_reduce 1.7x slower on 2 cores), so only payloads of 8 MiB and more go there."""
-    return 64 << 10 if usable_cores() >= 4 else 8 << 20
-
-
 HOST_NAME_MAX = 64
 _HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -262,17 +241,6 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_IB_GID_INDEX", "int", None, "GID index (RoCE)", "hetccl.transports.verbs", lo=0, hi=65535,
        field="ib_gid_index", parse=_ib_gid_index, shown="a RoCE v2 GID holding an IPv4 address, else the first "
        "non-empty one; InfiniBand: 0 (LID routing)"),
-    _P("HETCCL_SOCKET_NSTREAMS", "int", default_socket_nstreams(), "TCP connections per peer pair (like "
-       "`NCCL_NSOCKS_PERTHREAD` x `NCCL_SOCKET_NTHREADS`): messages of 256 KiB and more are cut across them, each "
-       "connection with its own threads; both ends use the smaller of their two values", "hetccl.transports.tcp",
-       lo=1, hi=64, field="socket_nstreams", shown="one per 4 cores, 1-4"),
-    _P("HETCCL_SOCKET_BUF_BYTES", "size", 4 << 20, "`SO_SNDBUF`/`SO_RCVBUF` of TCP connections, e.g. `16M` (the "
-       "kernel caps it at `net.core.wmem_max`/`rmem_max` unless the process has `CAP_NET_ADMIN`)",
-       "hetccl.transports.tcp", lo=4096, hi=1 << 30, field="socket_buf_bytes"),
-    _P("HETCCL_SOCKET_OFFLOAD_BYTES", "size", default_socket_offload_bytes(), "TCP payloads from this size are "
-       "moved by their connection's send and receive threads (native loops, GIL released) instead of on the event "
-       "loop", "hetccl.transports.tcp", lo=4096, field="socket_offload_bytes",
-       shown="64K with 4 cores or more, else 8M"),
     # ---- process-wide ----
     _P("HETCCL_IB_SLOTS", "int", 16, "verbs receive ring: data slots per peer", "hetccl.transports.verbs",
        lo=2, hi=4096),

@@ -72,17 +72,3 @@ uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which
  * kernel clone this CPU runs, how float16 is converted */
 const char *hccl_build_info(void);
-
-/* Socket pumping for the TCP transport, called from worker threads (cffi releases the GIL for the whole
- * call, so several streams copy in parallel and the event loop keeps running). fd may be non-blocking:
- * EAGAIN waits in poll(). Each waits at most idle_ns without progress (then HCCL_IO_TIMEOUT) and looks
- * at *stop (set by another thread to abandon the transfer) before every system call and at least every 20 ms while waiting (then HCCL_IO_STOPPED).
- * *done counts the bytes moved, exact whatever the outcome. Returns 0 when all n bytes moved,
- * HCCL_IO_EOF when the peer closed first (receive only), or -errno. */
-#define HCCL_IO_EOF 1
-#define HCCL_IO_TIMEOUT -110
-#define HCCL_IO_STOPPED -125
-/* send head (hlen bytes) then body (n bytes) in one stream of sendmsg calls (MSG_NOSIGNAL) */
-int hccl_sock_send(int fd, const void *head, size_t hlen, const void *body, size_t n, uint64_t idle_ns,
-                   const volatile int *stop, size_t *done);
-int hccl_sock_recv(int fd, void *buf, size_t n, uint64_t idle_ns, const volatile int *stop, size_t *done);

@@ -733,22 +733,3 @@ def test_settings_wait_notice() -> None:
 def test_settings_wait_notice_rejected(value: str) -> None:
     with pytest.raises(ConfigError, match="HETCCL_WAIT_NOTICE.*first\\[,every\\]"):
         Settings.from_env({"HETCCL_WAIT_NOTICE": value})
-
-
-@pytest.mark.parametrize("value", ["0", "65", "two", "-1", "1.5"])
-def test_bad_nstreams_is_a_config_error(value: str) -> None:
-    with pytest.raises(ConfigError, match="HETCCL_SOCKET_NSTREAMS"):
-        Settings.from_env({"HETCCL_SOCKET_NSTREAMS": value})
-
-
-def test_socket_settings_read() -> None:
-    """HETCCL_SOCKET_NSTREAMS and HETCCL_SOCKET_BUF_BYTES (TCP streams, socket buffers); unset: a default
-    of 1-4 streams by core count."""
-    assert 1 <= Settings.from_env({}).socket_nstreams <= 4
-    s = Settings.from_env({"HETCCL_SOCKET_NSTREAMS": "8", "HETCCL_SOCKET_BUF_BYTES": "16M"})
-    assert (s.socket_nstreams, s.socket_buf_bytes) == (8, 16 << 20)
-    with pytest.raises(ConfigError, match="HETCCL_SOCKET_BUF_BYTES"):
-        Settings.from_env({"HETCCL_SOCKET_BUF_BYTES": "1"})
-    assert Settings.from_env({"HETCCL_SOCKET_OFFLOAD_BYTES": "1M"}).socket_offload_bytes == 1 << 20
-    with pytest.raises(ConfigError, match="HETCCL_SOCKET_OFFLOAD_BYTES"):
-        Settings.from_env({"HETCCL_SOCKET_OFFLOAD_BYTES": "12"})

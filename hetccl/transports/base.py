@@ -7,9 +7,7 @@ A transport moves bytes between two ranks. It is created once per process fabric
 - `send(fp, tag, src)` returns once `src` may be reused.
 - `post_recv(fp, tag, dst, reduce)` returns a future completed when the message (comm, seq, tag) has
   landed in `dst` — or, with `reduce=(dtype, op)`, has been reduced into `dst` (dst = dst OP incoming),
-  which lets a shared-memory transport reduce straight out of the shared segment. `reduce` may run on a
-  transport's worker thread (TCP reduces large payloads where it receives them), so it must only touch `dst`
-  and `incoming`.
+  which lets a shared-memory transport reduce straight out of the shared segment.
 
 Messages are matched by (communicator id, sequence number, tag), never by arrival order, so several
 collectives may be in flight. Data that arrives before its receive is posted waits in a bounded
@@ -229,9 +227,6 @@ class Matcher:
         self.dead_comms: set[int] = set()  # communicators given up (shrink): their frames are dropped
         self.poisoned: dict[int, BaseException] = {}  # communicators made unusable by a mismatch (cancel_comm)
         self.taken: RecvRequest | None = None  # the last receive take() handed out (frames of a peer come in order)
-        # receives a transport fills from several connections at once (TCP streams): it adds them here when
-        # take() hands them out and removes them once complete, so that fail_all reaches them too
-        self.filling: set[RecvRequest] = set()
         self.arrived: dict[tuple[int, int, int], int] = {}  # early point-to-point frames: global arrival order
 
     @property
@@ -401,13 +396,11 @@ class Matcher:
         if self.error is None:
             self.error = exc
         exc = self.error
-        pending = [*self.posted.values(), *self.filling]
-        self.posted = {}
-        self.filling.clear()
+        posted, self.posted = self.posted, {}
         if self.taken is not None:  # a message half delivered when the peer died
-            pending.append(self.taken)
+            posted[None] = self.taken  # type: ignore[index]
             self.taken = None
-        for req in pending:
+        for req in posted.values():
             if not req.fut.done():
                 req.fut.set_exception(exc)
                 req.fut.exception()

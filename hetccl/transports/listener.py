@@ -1,9 +1,8 @@
 """The authenticated listener, and the dialer, that connection-oriented transports share (TCP data, verbs set-up).
 
 It binds to the chosen address, accepts, runs the server side of the HMAC handshake (`auth.py`) with a
-deadline, checks that the connection belongs to this job and claims a valid rank (and stream: TCP opens several
-connections per peer pair) not already connected, and hands the socket to whoever awaits
-`incoming(rank, stream)`. Anything else is refused, counted in `refused` and logged;
+deadline, checks that the connection belongs to this job and claims a valid rank not already connected, and
+hands the socket to whoever awaits `incoming(rank)`. Anything else is refused, counted in `refused` and logged;
 the job goes on.
 """
 
@@ -15,7 +14,6 @@ import socket
 from typing import Any
 
 from ..auth import client_handshake, server_handshake
-from ..config import MAX_SOCKET_NSTREAMS
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
 from ..netio import tune_socket
 from .base import TransportContext
@@ -29,7 +27,7 @@ class PeerListener:
         self.refused = 0
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
-        self._incoming: dict[tuple[int, int], asyncio.Future] = {}
+        self._incoming: dict[int, asyncio.Future] = {}
         self._handshakes: set[asyncio.Task] = set()
 
     def start(self) -> int:
@@ -44,11 +42,11 @@ class PeerListener:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
         return sock.getsockname()[1]
 
-    def incoming(self, peer: int, stream: int = 0) -> asyncio.Future:
-        """The future of peer's authenticated connection number `stream` (a socket)."""
-        fut = self._incoming.get((peer, stream))
+    def incoming(self, peer: int) -> asyncio.Future:
+        """The future of peer's authenticated connection (a socket)."""
+        fut = self._incoming.get(peer)
         if fut is None:
-            fut = self._incoming[peer, stream] = asyncio.get_running_loop().create_future()
+            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
         return fut
 
     async def _accept_loop(self) -> None:
@@ -59,7 +57,7 @@ class PeerListener:
                 conn, addr = await loop.sock_accept(self._sock)
             except (OSError, asyncio.CancelledError):
                 return
-            tune_socket(conn, self.ctx.settings.socket_buf_bytes)
+            tune_socket(conn)
             task = loop.create_task(self._accept_one(loop, conn, addr))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
@@ -68,14 +66,12 @@ class PeerListener:
         ctx = self.ctx
         try:
             meta = await server_handshake(loop, conn, ctx.secret, self.purpose, min(30.0, ctx.settings.timeout))
-            peer, stream = meta.get("rank"), meta.get("stream", 0)
-            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size \
-                    or not isinstance(stream, int) or not 0 <= stream < MAX_SOCKET_NSTREAMS:
-                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r} stream "
-                                          f"{stream!r}")
-            fut = self.incoming(peer, stream)
+            peer = meta.get("rank")
+            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
+                raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
+            fut = self.incoming(peer)
             if fut.done():
-                raise AuthenticationError(f"second connection claiming rank {peer} stream {stream}")
+                raise AuthenticationError(f"second connection claiming rank {peer}")
             fut.set_result(conn)
         except (AuthenticationError, HetcclError, OSError) as exc:
             self.refused += 1
@@ -91,21 +87,19 @@ class PeerListener:
                 task.cancel()
 
 
-async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str,
-               stream: int = 0) -> socket.socket:
-    """Connect to peer's PeerListener at record["host"]:record["port"] as connection number `stream` and run
-    the client side of the handshake; CollectiveTimeout or PeerLostError naming the peer when that fails."""
+async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str
+               ) -> socket.socket:
+    """Connect to peer's PeerListener at record["host"]:record["port"] and run the client side of the
+    handshake; CollectiveTimeout or PeerLostError naming the peer when that fails."""
     loop = asyncio.get_running_loop()
     host, port = record["host"], record["port"]
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
         await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ctx.settings.timeout)
-        tune_socket(sock, ctx.settings.socket_buf_bytes)
-        meta: dict[str, Any] = {"rank": ctx.rank, "job": ctx.job}
-        if stream:
-            meta["stream"] = stream
-        await client_handshake(loop, sock, ctx.secret, purpose, meta, min(30.0, ctx.settings.timeout))
+        tune_socket(sock)
+        await client_handshake(loop, sock, ctx.secret, purpose, {"rank": ctx.rank, "job": ctx.job},
+                               min(30.0, ctx.settings.timeout))
     except TimeoutError:
         sock.close()
         raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {host}:{port} ({label}) timed "
