@@ -171,7 +171,7 @@ def _wait_notice(text: str | None) -> tuple[float, float]:
     return (first, every if every > 0 else math.inf) if first > 0 else (math.inf, math.inf)
 
 
-def _port(text: str) -> int:
+def parse_port(text: str) -> int:
     try:
         port = int(text)
     except ValueError:
@@ -324,7 +324,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_METRICS_PORT", "int", None, "serve Prometheus metrics (`pip install 'hetccl[metrics]'`) on this port "
        "+ the rank's index on its machine (its local rank, unless `HETCCL_HOST` splits the machine): bytes and "
        "operations per collective, transport and peer, latency histograms, errors by "
-       "class", "hetccl.observe", lo=1, hi=65535, parse=_port),
+       "class", "hetccl.observe", lo=1, hi=65535, parse=parse_port),
     _P("HETCCL_METRICS_ADDR", "str", None, "address the metrics server binds to (`0.0.0.0` for all)",
        "hetccl.observe", shown="as `HETCCL_BIND_ADDR`"),
     _P("HETCCL_BENCH_PROGRESS", "bool", False, "`1`: `hetccl bench` under a launcher prints progress lines",

@@ -263,9 +263,7 @@ class PairLink:
             raise
 
     def _check_peer(self) -> None:
-        if self.lost:
-            rank, exc = next(iter(self.lost.items()))
-            raise PeerLostError(f"cross-island link: rank {rank} was lost ({exc})", rank)
+        raise_if_lost(self.lost, "cross-island link")
 
     def _release(self, exc: BaseException) -> None:
         """The collective failed with work still queued: overwrite every counter far ahead so that no copy
@@ -358,6 +356,13 @@ def _stream_ops(torch: Any, seg: Segment) -> tuple[Any, str]:
     except TransportError as exc:
         return None, str(exc)
     return ops, ""
+
+
+def raise_if_lost(lost: dict[int, BaseException], what: str) -> None:
+    """A link's wait ends once the fabric has lost a rank: its peer may be the one that will never come."""
+    if lost:
+        rank, exc = next(iter(lost.items()))
+        raise PeerLostError(f"{what}: rank {rank} was lost ({exc})", rank)
 
 
 def segment_bytes(slot_bytes: int) -> int:

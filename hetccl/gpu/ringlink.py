@@ -28,9 +28,9 @@ import numpy as np
 from .. import native
 from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf
-from ..errors import PeerLostError, TransportError
+from ..errors import TransportError
 from ..shmseg import Segment
-from .pairlink import SLOTS, shm_room
+from .pairlink import SLOTS, raise_if_lost, shm_room
 from .runtime import reduce_inplace, torch_mod, wait_event
 
 HEADER = 4096  # produced (uint32) at 0, consumed (uint32) at 128: each counter on its own cache line
@@ -205,9 +205,7 @@ class RingLink:
             raise
 
     def _check_peer(self) -> None:
-        if self.lost:
-            rank, exc = next(iter(self.lost.items()))
-            raise PeerLostError(f"cross-island ring: rank {rank} was lost ({exc})", rank)
+        raise_if_lost(self.lost, "cross-island ring")
 
     def _release(self, exc: BaseException) -> None:
         """The collective failed with work still queued: move every counter far ahead so that no copy stream

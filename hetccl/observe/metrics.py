@@ -20,19 +20,9 @@ import contextlib
 from typing import Any
 
 from ..errors import ConfigError
+from ..params import parse_port
 
 BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
-
-
-def parse_port(raw: str) -> int:
-    try:
-        port = int(raw)
-    except ValueError:
-        raise ConfigError(f"HETCCL_METRICS_PORT={raw!r} is not a port number; e.g. HETCCL_METRICS_PORT=9400"
-                          ) from None
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"HETCCL_METRICS_PORT={raw!r}: the port must be 1..65535")
-    return port
 
 
 def require_client() -> Any:
