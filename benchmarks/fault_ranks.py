@@ -11,7 +11,7 @@ import os
 import hetccl
 import numpy as np
 
-from rankproc import emit, rss_kib
+from rankproc import emit, fd_count, rss_kib
 
 
 def _ports(comm: hetccl.Communicator) -> dict[str, object]:
@@ -92,9 +92,10 @@ async def soak(comm: hetccl.Communicator, duration_s: float, seed: int = 0) -> N
         await workers.p2p(comm)
         await workers.concurrent(comm, k=4)
         rounds += 1
-        # RSS between rounds, when the round's buffers are freed: what a leak raises, without the transient
-        # peaks that the driver's samples from outside catch at random moments
-        emit("round", rounds=rounds, rss=rss_kib(os.getpid()))
+        # RSS and open fds between rounds, when the round's buffers are freed and its sub-communicator closed:
+        # what a leak raises, without the transient peaks that the driver's samples from outside catch at random
+        # moments (a round opens files and sockets while it runs)
+        emit("round", rounds=rounds, rss=rss_kib(os.getpid()), fds=fd_count(os.getpid()))
     emit("done", rounds=rounds)
     await _close_and_exit(comm, 0)
 

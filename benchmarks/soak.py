@@ -9,9 +9,10 @@ collectives in flight at once. Rank 0 decides when to stop (a broadcast), so eve
 
 Fails (exit 1) when, after the warm-up (the first --warmup fraction of the run), a rank's RSS between rounds
 (reported by the rank itself after each round, its buffers freed) grows by more than --rss-growth (10 %) over
-its warm-up peak, or its fd count rises above its warm-up peak at all, or a rank fails or a result is wrong.
-The driver's own samples (RSS at random moments, transient buffers included) are reported too; they are not
-the verdict, because a short run under load may not meet its largest in-flight working set in the warm-up.
+its warm-up peak, or its open fds between rounds rise above their warm-up peak at all, or a rank fails or a
+result is wrong. The driver's own samples (RSS and fds at random moments, a round's transient buffers and
+sockets included) are reported too; they are not the verdict, because a short run under load may not meet its
+largest in-flight working set in the warm-up, and a round in flight holds an fd more at times.
 
     nice -n 10 python benchmarks/soak.py --minutes 10 --ranks 3 --out benchmarks/results/soak.md
 """
@@ -81,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in ranks:
             rss_w, rss_a = max(s[1][r] for s in warm), max(s[1][r] for s in after)
-            fd_w, fd_a = max(s[2][r] for s in warm), max(s[2][r] for s in after)
-            between = [(e["t"] - t0, e["rss"]) for e in job.events(r) if e["kind"] == "round" and e.get("rss")]
+            rounds_seen = [e for e in job.events(r) if e["kind"] == "round" and e.get("rss")]
+            between = [(e["t"] - t0, e["rss"]) for e in rounds_seen]
             q_w = [v for t, v in between if t <= split]
             q_a = [v for t, v in between if t > split]
+            fds = [(e["t"] - t0, e["fds"]) for e in rounds_seen if e.get("fds")]
+            fd_w = max((v for t, v in fds if t <= split), default=0)
+            fd_a = max((v for t, v in fds if t > split), default=0)
             if not q_w or not q_a:
                 why.append(f"rank {r}: too few rounds to judge ({len(q_w)} in warm-up, {len(q_a)} after)")
                 continue
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
              f"over its warm-up peak, fds +0.", "",
              f"Rounds completed per rank: {rounds}", "",
              "| rank | RSS between rounds, warm-up peak (KiB) | after (KiB) | growth | sampled RSS, warm-up peak "
-             "| after | fds warm-up peak | fds peak after | RSS last | fds last |",
+             "| after | fds between rounds, warm-up peak | after | RSS last | fds last |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r, q_w, q_a, g, rss_w, rss_a, fd_w, fd_a, rss_l, fd_l in table:
         sampled = f"{rss_a} ({100 * (rss_a / rss_w - 1):+.1f} %)"
