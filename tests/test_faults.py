@@ -65,10 +65,9 @@ def test_fuzz_control_short() -> None:
 @pytest.mark.timeout(200)
 def test_soak_short() -> None:
     """20 s of mixed collectives on 3 ranks: fds +0 and RSS within +30 % after the warm-up, both between rounds.
-    20 s is 12-80 rounds,
-    and a rank's RSS between rounds still climbs toward its plateau after 10 s of them (+10 to +22 % in 3 of 7
-    runs here, under load; the driver's own samples did not grow): the leak verdict at +10 % is the 10-minute
-    soak's (benchmarks/soak.py, benchmarks/results/soak-*.md)."""
+    20 s is 12-80 rounds, and under load a rank's RSS between rounds still climbs toward its plateau after 10 s
+    of them (+10 to +22 % in 3 of 7 runs here; the driver's own samples did not grow): the leak verdict at +10 %
+    is the 10-minute soak's (benchmarks/soak.py, benchmarks/results/soak-*.md)."""
     proc = _script("soak.py", "--minutes", str(20 / 60), "--ranks", "3", "--interval", "1", "--warmup", "0.5",
                    "--rss-growth", "0.3", timeout=180)
     assert "result: PASS" in proc.stdout
