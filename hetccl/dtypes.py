@@ -193,3 +193,14 @@ def as_buf(obj: Any, name: str = "buffer", writable: bool = True) -> Buf:
     if type(obj) is np.ndarray:
         _FAST[arr.dtype] = dt
     return Buf(data, dt, flat.size, obj)
+
+
+def block_ranges(count: int, n: int) -> list[tuple[int, int]]:
+    """Split `count` elements into n contiguous blocks whose sizes differ by at most one."""
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for b in range(n):
+        size = base + (1 if b < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out

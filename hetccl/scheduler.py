@@ -16,7 +16,7 @@ import numpy as np
 
 from . import native, params
 from . import observe as _obs
-from .dtypes import Buf, DType, ReduceOp
+from .dtypes import Buf, DType, ReduceOp, block_ranges
 from .errors import CollectiveMismatchError, CollectiveTimeout, CommAbortedError, HetcclError
 from .flight import DONE, FAILED, FlightRecorder
 from .wire import Fingerprint
@@ -62,17 +62,6 @@ class GroupView(Protocol):
     def next_seq(self) -> int: ...  # the sequence number of the next collective
 
     def group_rank(self, job_rank: int) -> int: ...
-
-
-def block_ranges(count: int, n: int) -> list[tuple[int, int]]:
-    """Split `count` elements into n contiguous blocks whose sizes differ by at most one."""
-    base, extra = divmod(count, n)
-    out, start = [], 0
-    for b in range(n):
-        size = base + (1 if b < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 def chunk_ranges(start: int, stop: int, nchunks: int) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import native
 from ..bindings.streamops import RawEvent
-from ..dtypes import ReduceOp, as_buf
+from ..dtypes import ReduceOp, as_buf, block_ranges
 from ..errors import TransportError
 from ..shmseg import Segment
 from .pairlink import SLOTS, raise_if_lost, shm_room
@@ -121,11 +121,6 @@ class RingLink:
         await leaders.flat_all_reduce(as_buf(np.zeros(1, dtype=np.int32)), ReduceOp.MAX)
         return link
 
-    def _blocks(self, count: int) -> list[tuple[int, int]]:
-        base, extra = divmod(count, self.size)
-        starts = [b * base + min(b, extra) for b in range(self.size + 1)]
-        return [(starts[b], starts[b + 1]) for b in range(self.size)]
-
     async def all_reduce(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
         """t = OP over every leader's t, elementwise, ordered on `stream`; returns once complete. Each leader
         reduces the blocks in ring order, so a block's result is the same on every leader."""
@@ -135,7 +130,7 @@ class RingLink:
         ops, k, r = self.ops, self.size, self.rank
         isz = t.element_size()
         step = self.slot_bytes // isz  # elements per chunk
-        blocks = self._blocks(t.numel())
+        blocks = block_ranges(t.numel(), k)
         nch = max(1, -(-max(b - a for a, b in blocks) // step))
         ev_start, ev_sent, ev_d2h, ev_h2d, ev_done = self.ev
         d2h, h2d, cs = self.d2h.cuda_stream, self.h2d.cuda_stream, stream.cuda_stream
