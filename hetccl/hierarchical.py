@@ -46,7 +46,7 @@ class Layout:
     mine: int  # index of my island
     island_comm: Group | None = None  # the group of my island (None when it is the whole group)
     leaders: Group | None = None  # the group of the island leaders (None off leaders / single island)
-    pairlink: Any = None  # zero-copy link of the GPU leaders on one host (pair, or ring of 3+); False: none
+    link: Any = None  # zero-copy link of the GPU leaders on one host (pair, or ring of 3+); False: none
 
     @property
     def single(self) -> bool:
@@ -122,7 +122,7 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
         await lay.island_comm.flat_reduce(b, 0, inner)
     if lay.leaders is not None and lay.leaders.size > 1:
         small = b.nbytes <= staging.SMALL_BYTES
-        link = await _pairlink(group, lay, t) if not small or staging.PAIRLINK_SMALL else None
+        link = await _zero_copy_link(group, lay, t) if not small or staging.PAIRLINK_SMALL else None
         if link is not None and (not small or link.ops is not None):
             # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop)
             await link.all_reduce(t, inner, stream, _deadline(group))
@@ -144,7 +144,7 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
         await wait_event(ev, _deadline(group), "avg division")
 
 
-async def _pairlink(group: Group, lay: Layout, t: Any) -> Any:
+async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
     """The zero-copy link when every island leader holds a GPU and all share one host: the pair link for two
     leaders, the ring for more; else None (decided from the layout alone, so every leader agrees)."""
     leaders = lay.leaders
@@ -156,23 +156,23 @@ async def _pairlink(group: Group, lay: Layout, t: Any) -> Any:
         return None
     if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
         return None
-    if lay.pairlink is None and leaders.size > 2:
+    if lay.link is None and leaders.size > 2:
         ring = await ringlink.RingLink.create(leaders, t.device, staging.STAGE_CHUNK, group.settings.timeout)
-        lay.pairlink = ring if ring is not None else False
-    elif lay.pairlink is None:
+        lay.link = ring if ring is not None else False
+    elif lay.link is None:
         need = pairlink.segment_bytes(staging.STAGE_CHUNK)
         room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
         await leaders.flat_all_reduce(as_buf(room), ReduceOp.MIN)  # both leaders take the same path
         if room[0]:
-            lay.pairlink = await pairlink.PairLink.create(leaders, t.device, staging.STAGE_CHUNK,
+            lay.link = await pairlink.PairLink.create(leaders, t.device, staging.STAGE_CHUNK,
                                                           group.settings.timeout)
         else:
             log.warning("hetccl: /dev/shm cannot hold the zero-copy cross-island link (%d MiB); staging through "
                         "hetccl's transports instead (enlarge /dev/shm, or lower HETCCL_STAGE_BYTES)", need >> 20)
-            lay.pairlink = False
-    if lay.pairlink is False:
+            lay.link = False
+    if lay.link is False:
         return None
-    return lay.pairlink
+    return lay.link
 
 
 class _View:

@@ -89,8 +89,8 @@ def test_zero_copy_link_only_between_leaders_of_one_host(monkeypatch, names, lin
     monkeypatch.delenv("HETCCL_PAIRLINK", raising=False)
     fab = SimpleNamespace(topology=Topology([host_identity(x) for x in names]),
                           records=[{"island": "nvidia-0"}, {"island": "nvidia-1"}])
-    lay = SimpleNamespace(leaders=SimpleNamespace(size=2, members=[0, 1]), pairlink="the link")
-    got = asyncio.run(hierarchical._pairlink(SimpleNamespace(fabric=fab), lay, None))
+    lay = SimpleNamespace(leaders=SimpleNamespace(size=2, members=[0, 1]), link="the link")
+    got = asyncio.run(hierarchical._zero_copy_link(SimpleNamespace(fabric=fab), lay, None))
     assert got == ("the link" if link else None)
 
 
