@@ -30,6 +30,7 @@ from pathlib import Path
 SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TWO = {"TEST_ISLANDS": "nvidia-0,nvidia-1"}
 THREE = {"TEST_ISLANDS": "nvidia-0,nvidia-1,nvidia-2"}
+FOUR = {"TEST_ISLANDS": "nvidia-0,nvidia-1,nvidia-2,nvidia-3"}
 VARIANTS: dict[str, tuple[str, int, dict[str, str]]] = {
     "single GPU": ("none", 1, {}),
     "nccl": ("nccl", 2, {}),
@@ -44,6 +45,11 @@ VARIANTS: dict[str, tuple[str, int, dict[str, str]]] = {
     "hetccl 3 islands, shm": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0"}),
     "hetccl 3 islands, tcp": ("hetccl", 3, {**THREE, "HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"}),
     "hetccl 3 islands, other hosts": ("hetccl", 3, {**THREE, "HETCCL_HOST": "h0,h1,h2"}),
+    "hetccl 3 islands, other hosts, gather": ("hetccl", 3, {**THREE, "HETCCL_HOST": "h0,h1,h2",
+                                                             "HETCCL_STAGED_RING": "0"}),
+    "hetccl 4 islands, other hosts": ("hetccl", 4, {**FOUR, "HETCCL_HOST": "h0,h1,h2,h3"}),
+    "hetccl 4 islands, other hosts, gather": ("hetccl", 4, {**FOUR, "HETCCL_HOST": "h0,h1,h2,h3",
+                                                             "HETCCL_STAGED_RING": "0"}),
 }
 
 

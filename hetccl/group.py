@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import algorithms, hangreport
-from .algorithms import direct, latency, ring
+from .algorithms import direct, latency, ring, staged_ring
 from .bootstrap import Fabric
 from .config import Settings
 from .dtypes import Buf, DType, ReduceOp, as_buf
@@ -27,7 +27,7 @@ from .errors import CommAbortedError, ConfigError, HetcclError
 from .flight import FlightRecorder
 from .gpu import dispatch, staging
 from .gpu.buffers import DeviceBuf
-from .gpu.runtime import stream_handle, use_device
+from .gpu.runtime import as_tensor, stream_handle, stream_of, use_device
 from .gpu.vendor_comm import VendorComm, blocking
 from .ordering import IssueOrder
 from .scheduler import CollCtx, Watchdog, run_collective
@@ -311,6 +311,16 @@ class Group:
             await flat(*host, *extra)
 
         await staging.staged(bufs, outputs, on_host)
+
+    async def flat_device_ring_all_reduce(self, b: DeviceBuf, op: ReduceOp) -> None:
+        """all_reduce of device memory over the host transports between ranks that all hold device memory and
+        share no vendor CCL: the staged ring (algorithms/staged_ring.py), reduced on the devices."""
+        use_device(b.device)
+        fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op)
+        ctx = CollCtx(self, fp, b.dtype, op)
+        deadline = self._deadline()
+        await run_collective(self, fp, lambda: staged_ring.all_reduce(ctx, as_tensor(b), stream_of(b),
+                                                                      staging.STAGE_CHUNK, deadline))
 
     def island_vendors(self) -> dispatch.IslandVendors:
         """This group's vendor communicators (made on first use, one per device)."""

@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "hetccl.group": 6,
     # 5: host algorithms, the collective runner and what it reports on a timeout
     "hetccl.algorithms.ring": 5, "hetccl.algorithms.latency": 5, "hetccl.algorithms.direct": 5,
+    "hetccl.algorithms.staged_ring": 5,
     "hetccl.scheduler": 5, "hetccl.hangreport": 5,
     # 4: device memory operations (buffers, streams, vendor communicators, the link, staging) and bindings
     "hetccl.gpu": 4, "hetccl.bindings": 4,

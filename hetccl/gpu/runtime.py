@@ -212,9 +212,9 @@ def lease(kind: str, device: Any, nbytes: int, slots: int) -> Iterator[list[Any]
     key = (kind, index, slots)
     with _POOL_LOCK:
         free = _POOL.setdefault(key, [])
-        bufs = next((b for b in free if b[0].numel() >= nbytes), None)
-        if bufs is not None:
-            free.remove(bufs)
+        # by position: list.remove compares sets with ==, elementwise on tensors, which raises on unequal sizes
+        at = next((i for i, b in enumerate(free) if b[0].numel() >= nbytes), None)
+        bufs = free.pop(at) if at is not None else None
     if bufs is None:
         if kind == "pinned":
             bufs = [torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True) for _ in range(slots)]

@@ -31,6 +31,8 @@ STAGE_CHUNK = params.get("HETCCL_STAGE_BYTES")
 SMALL_BYTES = params.get("HETCCL_CROSS_SMALL_BYTES")
 # small messages take the zero-copy link too when it is GPU-signalled (0: the host round trip below SMALL_BYTES)
 PAIRLINK_SMALL = params.get("HETCCL_PAIRLINK_SMALL")
+# three or more GPU leaders without the link all_reduce in a ring reduced on the devices (algorithms/staged_ring.py)
+DEVICE_RING = params.get("HETCCL_STAGED_RING")
 
 
 class Leaders(Protocol):
