@@ -38,6 +38,10 @@ def collect() -> dict[str, object]:
     specs = registry.discover()
     for name, reason in registry.available().items():
         transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
+        try:  # what it declares (TransportProperties): what the cost model and the fabric go by
+            transports[name]["properties"] = registry.load(name).properties.describe()
+        except Exception:  # noqa: BLE001 - refused at load: the reason says why
+            pass
     out["transports"] = transports
     from .config import island_label
     from .errors import ConfigError
@@ -101,6 +105,8 @@ def print_info() -> int:
     for name, t in info["transports"].items():  # type: ignore[union-attr]
         state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
         print(wrap(f"  {name:<8} ", f"{state}  ({t['source']})"))
+        if t.get("properties"):
+            print(wrap(f"  {'':<8} ", f"declares {t['properties']}"))
     print("vendor collective libraries (GPU islands):")
     for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
         print(wrap(f"  {name:<8} ", state))

@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "hetccl.transports": 2,
     # 1: observability and the cost model (the algorithms package itself: pure functions)
     "hetccl.observe": 1, "hetccl.algorithms": 1,
+    # 1: message matching (the core's; transports deliver frames to it)
+    "hetccl.matching": 1,
     # 0: host memory, formats, settings, sockets, process lifetime
     "hetccl.errors": 0, "hetccl.dtypes": 0, "hetccl.native": 0, "hetccl._native": 0, "hetccl.wire": 0,
     "hetccl.config": 0, "hetccl.netio": 0, "hetccl.auth": 0, "hetccl.flight": 0, "hetccl.ordering": 0,

@@ -1,8 +1,9 @@
 """Transport registry: built-ins plus plugins from the entry-point group `hetccl.transports`.
 
-A plugin is a `Transport` subclass exposed as `name = "module:Class"` in that group. The registry checks
-the interface version it declares, and `available()` reports each transport with the reason it cannot be
-used here, for `hetccl info`.
+A plugin is a `Transport` subclass exposed as `name = "module:Class"` in that group (docs/transports.md). The
+registry checks the interface version it declares (a v1 plugin is refused with `TransportVersionError` saying
+what to change) and its declared `TransportProperties`, and `available()` reports each transport with the
+reason it cannot be used here, for `hetccl info`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import importlib
 import logging
 from importlib.metadata import entry_points
 
-from ..errors import ConfigError
-from .base import SUPPORTED_API_VERSIONS, Transport
+from ..errors import ConfigError, TransportVersionError
+from .base import SUPPORTED_API_VERSIONS, TRANSPORT_API_VERSION, Transport, TransportProperties
 
 log = logging.getLogger("hetccl")
 
@@ -49,10 +50,39 @@ def load(name: str) -> type[Transport]:
         raise ConfigError(f"transport {name!r} ({specs[name]}) failed to load: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise ConfigError(f"transport {name!r} ({specs[name]}) is not a hetccl Transport subclass")
-    if cls.api_version not in SUPPORTED_API_VERSIONS:
-        raise ConfigError(f"transport {name!r} implements interface v{cls.api_version}; this hetccl speaks "
-                          f"{sorted(SUPPORTED_API_VERSIONS)}; upgrade one of them")
+    check_version(name, specs[name], cls)
+    if not isinstance(getattr(cls, "properties", None), TransportProperties):
+        raise ConfigError(f"transport {name!r} ({specs[name]}) declares no TransportProperties: set the class "
+                          "attribute properties = TransportProperties(latency_us=..., ring_step_us=..., "
+                          "bandwidth_gb_s=...) (docs/transports.md)")
     return cls
+
+
+# What a plugin written for an older interface must change (docs/transports.md, "Porting from v1").
+PORTING = {
+    1: "interface v2 moved message matching into the core: take each endpoint's matcher from "
+       "ctx.new_matcher(peer) instead of constructing Matcher; import DROP/Matcher from hetccl.matching; replace "
+       "the capabilities flags with properties = TransportProperties(latency_us=..., ring_step_us=..., "
+       "bandwidth_gb_s=...); register_memory is no longer part of the interface; then set api_version = 2",
+}
+
+
+def check_version(name: str, spec: str, cls: type[Transport]) -> None:
+    version = cls.api_version
+    if version in SUPPORTED_API_VERSIONS:
+        return
+    speaks = ", ".join(f"v{v}" for v in sorted(SUPPORTED_API_VERSIONS))
+    if version in PORTING:
+        raise TransportVersionError(
+            f"transport {name!r} ({spec}) implements transport interface v{version}, which this hetccl no longer "
+            f"loads (it speaks {speaks}). To port it: {PORTING[version]} (docs/transports.md)")
+    if version is None:
+        raise TransportVersionError(
+            f"transport {name!r} ({spec}) declares no api_version; set api_version = {TRANSPORT_API_VERSION} once "
+            "it implements the interface of docs/transports.md")
+    raise TransportVersionError(
+        f"transport {name!r} ({spec}) implements interface v{version}; this hetccl speaks {speaks}; upgrade hetccl "
+        "or use a release of the plugin for this interface")
 
 
 def available() -> dict[str, str | None]:
