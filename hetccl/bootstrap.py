@@ -215,7 +215,7 @@ class Fabric:
         for eps in results:
             self.endpoints.update(eps)
         for peer in self.endpoints:
-            if self.endpoints[peer].matcher is not self.matchers.get(peer):
+            if getattr(self.endpoints[peer], "matcher", None) is not self.matchers.get(peer):
                 raise ConfigError(f"transport {self.peer_transport.get(peer)!r} built its endpoint to rank {peer} "
                                   "without the core's matcher: an endpoint must take ctx.new_matcher(peer)")
         for m in self.matchers.values():

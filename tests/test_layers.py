@@ -17,7 +17,7 @@ PACKAGE = ROOT / "hetccl"
 LAYERS: dict[str, int] = {
     # 9: entry points and integrations
     "hetccl": 9, "hetccl.__main__": 9, "hetccl.cli": 9, "hetccl.bench": 9, "hetccl.info": 9, "hetccl.topo": 9,
-    "hetccl.launcher": 9, "hetccl.torch": 9,
+    "hetccl.launcher": 9, "hetccl.torch": 9, "hetccl.testing": 9,
     # 8: the public facade (checks arguments once, picks islands / device / host)
     "hetccl.communicator": 8, "hetccl.sync": 8,
     # 7: the hierarchical schedule (island step, leaders step, island step)
