@@ -138,6 +138,11 @@ class Matcher:
         for fp, payload, tag in held if sink is not None else ():
             sink(self.peer, fp, payload, tag)
 
+    @property
+    def expecting(self) -> bool:
+        """Whether a receive is posted (a polled transport keeps polling while one is)."""
+        return bool(self.posted)
+
     def alloc(self, nbytes: int) -> np.ndarray:
         """A buffer for an early message (returned to the pool once delivered)."""
         for i, arr in enumerate(self._free):

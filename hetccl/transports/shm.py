@@ -395,7 +395,7 @@ class ShmTransport(Transport):
         return moved
 
     def _has_work(self) -> bool:
-        return any(ep.sendq or ep.matcher.posted for ep in self.eps.values()) or \
+        return any(ep.sendq or ep.matcher.expecting for ep in self.eps.values()) or \
             any(r.cur is not None for r in self.in_rings.values())
 
     def spin_until(self, fut: asyncio.Future, peer: int) -> None:
