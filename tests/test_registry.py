@@ -334,3 +334,17 @@ def test_broken_plugin_does_not_break_default_selection(install_plugin: Callable
     install_plugin({"future": "FutureTransport"})
     chosen = registry.selected(None)
     assert TcpTransport in chosen
+
+
+def test_device_links_declare_properties_and_are_picked_by_leader_count() -> None:
+    """The zero-copy GPU links are listed by the registry with what they declare; the hierarchy takes the one
+    registry.device_link picks for its number of leaders (none for one)."""
+    links = registry.links()
+    assert set(links) == {"pairlink", "ringlink"}
+    for cls in links.values():
+        assert isinstance(cls.properties, TransportProperties)
+        assert cls.properties.device_memory and cls.properties.same_host_only
+    if links["pairlink"].unavailable_reason() is None:  # HETCCL_PAIRLINK on (the default)
+        assert registry.device_link(2) is links["pairlink"]
+        assert registry.device_link(3) is registry.device_link(8) is links["ringlink"]
+    assert registry.device_link(1) is None

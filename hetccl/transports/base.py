@@ -162,6 +162,23 @@ class Endpoint(abc.ABC):
     async def close(self) -> None: ...
 
 
+class DeviceLink:
+    """A zero-copy device-memory link between the GPU island leaders of one host (gpu/pairlink.py for two,
+    gpu/ringlink.py for three or more). Not a per-peer Transport: it carries the leaders' step of a hierarchical
+    collective from device to device through shared host memory. It declares itself the same way (`name`,
+    `properties`, `unavailable_reason`), is listed by the registry (`registry.LINKS`, `hetccl info`), and the
+    hierarchy takes the one `registry.device_link(leaders)` picks from those declarations."""
+
+    name: ClassVar[str]
+    properties: ClassVar[TransportProperties]
+    min_ranks: ClassVar[int] = 2  # how many leaders it joins
+    max_ranks: ClassVar[int | None] = None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+
 # Names of interface v1 that v2 removed: importing one says what replaced it (a v1 plugin then fails to load
 # with that sentence, see registry.load).
 _MOVED = "moved to hetccl.matching (the core owns matching); an endpoint takes its matcher from ctx.new_matcher(peer)"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 import logging
 from importlib.metadata import entry_points
+from typing import Any
 
 from ..errors import ConfigError, TransportVersionError
-from .base import SUPPORTED_API_VERSIONS, TRANSPORT_API_VERSION, Transport, TransportProperties
+from .base import SUPPORTED_API_VERSIONS, TRANSPORT_API_VERSION, DeviceLink, Transport, TransportProperties
 
 log = logging.getLogger("hetccl")
 
@@ -21,6 +22,14 @@ BUILTIN = {
     "tcp": "hetccl.transports.tcp:TcpTransport",
     "shm": "hetccl.transports.shm:ShmTransport",
     "verbs": "hetccl.transports.verbs:VerbsTransport",
+}
+
+
+# Zero-copy device-memory links between the GPU island leaders of one host (base.DeviceLink): the hierarchy's
+# leaders step takes the one device_link() picks; `hetccl info` lists them with what they declare.
+LINKS = {
+    "pairlink": "hetccl.gpu.pairlink:PairLink",
+    "ringlink": "hetccl.gpu.ringlink:RingLink",
 }
 
 
@@ -116,3 +125,23 @@ def selected(wanted: list[str] | None) -> list[type[Transport]]:
             continue
         classes.append(cls)
     return sorted(classes, key=lambda c: -c.priority)
+
+
+def links() -> dict[str, type[DeviceLink]]:
+    """name -> device link class (base.DeviceLink), every one declaring TransportProperties."""
+    out = {}
+    for name, spec in LINKS.items():
+        cls: Any = _load(spec)
+        assert issubclass(cls, DeviceLink) and isinstance(cls.properties, TransportProperties), spec
+        out[name] = cls
+    return out
+
+
+def device_link(leaders: int) -> type[DeviceLink] | None:
+    """The usable device-memory link that joins this many leaders of one host, best declared bandwidth first;
+    None when there is none (the leaders then stage through the transports). Decided from settings and the
+    count alone, so every leader gets the same answer."""
+    fits = [c for c in links().values()
+            if c.properties.device_memory and c.min_ranks <= leaders <= (c.max_ranks or leaders)
+            and c.unavailable_reason() is None]
+    return max(fits, key=lambda c: (c.properties.bandwidth_gb_s, -c.properties.latency_us), default=None)
