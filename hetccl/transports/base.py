@@ -43,16 +43,17 @@ SUPPORTED_API_VERSIONS = frozenset({2})
 
 @dataclass(frozen=True)
 class TransportProperties:
-    """What a transport declares about itself (class attribute `properties`); the core reads every field.
+    """What a transport (or a device link) declares about itself (class attribute `properties`).
 
     - `latency_us`, `ring_step_us`, `bandwidth_gb_s`: the cost model's figures (`algorithms.LinkCosts.of`):
       one round of a latency algorithm (a small message there and its answer back), one step of a pipelined
       ring (per-chunk overheads included), and sustained bandwidth per peer in GB/s (10^9 bytes/s). The slowest
       transport of a communicator (lowest bandwidth, then highest latency) sets its costs.
     - `same_host_only`: reaches only ranks on its own host; the fabric never offers it another host's peer.
-    - `device_memory`: moves device (GPU) buffers itself; the hierarchy may hand it device memory.
-    - `registers_memory`: registers buffers with a NIC (RDMA); it does so itself, on first use, through a cache.
-    Both shown by `hetccl info`.
+    - `device_memory`: moves device (GPU) buffers itself (the zero-copy links; `registry.device_link` reads it).
+    - `registers_memory`: registers buffers with a NIC (RDMA); it does so itself, on first use, through a cache
+      (informational: no core decision depends on it).
+    `hetccl info` prints every field.
     """
 
     latency_us: float
