@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import observe, params
+from .algorithms import COSTS, LinkCosts
 from .config import Identity, Settings, island_label
 from .errors import (
     CollectiveMismatchError,
@@ -39,6 +40,7 @@ from .errors import (
     PeerLostError,
     TransportError,
 )
+from .matching import Matcher
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
@@ -106,6 +108,9 @@ class Fabric:
         self.store: StoreClient | None = None
         self.transports: list[Transport] = []
         self.endpoints: dict[int, Endpoint] = {}
+        # the core's matcher of each peer (matching.py): created here, handed to the transport that builds the
+        # peer's endpoint (TransportContext.new_matcher); every receive of that peer is matched in it
+        self.matchers: dict[int, Matcher] = {}
         self.peer_transport: dict[int, str] = {}
         self.records: list[dict[str, Any]] = []
         self.host_name = settings.host  # HETCCL_HOST
@@ -164,7 +169,7 @@ class Fabric:
             self.job = await self.store.get("job")
         bind = s.bind_addr or route_source_addr(host, port)
         ctx = TransportContext(rank, size, self.job, self.topology.hosts[0], s, self.store, bind,
-                               on_peer_lost=self._peer_lost)
+                               on_peer_lost=self._peer_lost, matcher_factory=self._new_matcher)
         records: dict[str, Any] = {}
         for cls_ in registry.selected(s.transports):
             t = cls_(ctx)
@@ -196,6 +201,8 @@ class Fabric:
             theirs = self.records[peer]["transports"]
             same = self.topology.same_host(rank, peer)
             for t in self.transports:
+                if t.properties.same_host_only and not same:
+                    continue
                 if t.name in theirs and t.can_reach(peer, theirs[t.name], same):
                     plan[t.name][peer] = theirs[t.name]
                     self.peer_transport[peer] = t.name
@@ -207,10 +214,21 @@ class Fabric:
         results = await asyncio.gather(*(t.connect(plan[t.name]) for t in self.transports))
         for eps in results:
             self.endpoints.update(eps)
-        for ep in self.endpoints.values():
-            ep.matcher.on_notice = self._notice
-            ep.matcher.on_stash = self._stashed
+        for peer in self.endpoints:
+            if getattr(self.endpoints[peer], "matcher", None) is not self.matchers.get(peer):
+                raise ConfigError(f"transport {self.peer_transport.get(peer)!r} built its endpoint to rank {peer} "
+                                  "without the core's matcher: an endpoint must take ctx.new_matcher(peer)")
+        for m in self.matchers.values():
+            m.on_notice = self._notice  # control frames held until now are handed over here
+            m.on_stash = self._stashed
         await observe.on_init(self, bind)
+
+    def _new_matcher(self, peer: int) -> Matcher:
+        """TransportContext.new_matcher: the matcher of `peer`, one per peer."""
+        m = self.matchers.get(peer)
+        if m is None:
+            m = self.matchers[peer] = Matcher(self.rank, peer, self.settings.unexpected_bytes)
+        return m
 
     async def _gather_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's record, waiting at most the timeout for all of them; while ranks are missing, say which
@@ -243,7 +261,7 @@ class Fabric:
         the death name the dead rank, not this one). Bounded, best effort."""
         import msgpack
 
-        from .transports.base import GOODBYE_TAG
+        from .matching import GOODBYE_TAG
         from .wire import CollOp, Fingerprint
 
         alive = [p for p in self.endpoints if p not in self.lost]
@@ -287,36 +305,30 @@ class Fabric:
         matchers were failed with (the connections themselves are intact), and drop any frame, kept or still
         arriving, of the communicators in `dead_comms`."""
         for p in peers:
-            ep = self.endpoints.get(p)
-            if ep is None or p in self.lost:
+            m = self.matchers.get(p)
+            if m is None or p in self.lost:
                 continue
-            m = ep.matcher
-            m.error = None
-            m.dead_comms.update(dead_comms)
-            for key in [k for k in m.early if k[0] in m.dead_comms]:
-                m.early_bytes -= len(m.early.pop(key)[1])
-                m.arrived.pop(key, None)
-            m._space.set()
+            m.heal(dead_comms)
 
     # ---- collective mismatches ---------------------------------------------------------------------------
     def poison(self, comm: int, exc: CollectiveMismatchError | PeerLostError) -> None:
         """Make communicator `comm` unusable: fail its pending receives, and every later collective on it."""
         self.poisoned.setdefault(comm, exc)
-        for ep in self.endpoints.values():
-            ep.matcher.cancel_comm(comm, exc)
+        for m in self.matchers.values():
+            m.cancel_comm(comm, exc)
 
     def report_mismatch(self, fp: Any, exc: CollectiveMismatchError, peers: list[int]) -> None:
         """This rank found a mismatch in collective fp: tell the communicator's other ranks (job ranks
         `peers`), without waiting, so that ranks that exchange no data with the odd one out raise too."""
         import msgpack
 
-        from .transports.base import NOTICE_TAG
+        from .matching import NOTICE_TAG
 
         self.poison(fp.comm, exc)
         self.tell(peers, fp, NOTICE_TAG, msgpack.packb({"rank": self.rank, "text": str(exc)[:3000]}))
 
     def tell(self, peers: list[int], fp: Any, tag: int, payload: bytes) -> None:
-        """Send a small control message (a tag of transports.base.CONTROL_TAGS) to job ranks `peers`, without
+        """Send a small control message (a tag of matching.CONTROL_TAGS) to job ranks `peers`, without
         waiting; failures are ignored (a lost peer cannot be told anything)."""
         data = np.frombuffer(payload, np.uint8)
 
@@ -343,7 +355,7 @@ class Fabric:
             self.mismatch_found(comm, mine, got, peer)
 
     def mismatch_found(self, comm: Any, mine: Any, got: Any, peer: int) -> CollectiveMismatchError:
-        from .transports.base import mismatch_error
+        from .matching import mismatch_error
 
         exc = mismatch_error(comm.rank, comm._global_to_comm.get(peer, peer), mine, got)
         self.report_mismatch(mine, exc, [g for g in comm._members if g != self.rank])
@@ -397,7 +409,7 @@ class Fabric:
     def _notice(self, peer: int, fp: Any, payload: bytes, tag: int) -> None:
         import msgpack
 
-        from .transports.base import GOODBYE_TAG, REPORT_TAG
+        from .matching import GOODBYE_TAG, REPORT_TAG
 
         if tag == REPORT_TAG:
             if self.answer_report is not None:
@@ -436,9 +448,28 @@ class Fabric:
             f"job rank {self.rank}: collective mismatch reported by job rank {who} in {fp.describe()}: {text}"))
 
     def transport_kind(self, peers: list[int]) -> str:
-        """'shm' when every peer in the list is reached by shared memory, else 'tcp' (for the cost model)."""
+        """The name of the slowest transport (declared properties: lowest bandwidth, then highest latency) that
+        reaches a peer in the list: the one that sets the cost model's figures (transport_costs)."""
+        props = {t.name: t.properties for t in self.transports}
         kinds = {self.peer_transport.get(p, "tcp") for p in peers if p != self.rank}
-        return "shm" if kinds <= {"shm"} else "tcp"
+        known = [k for k in kinds if k in props]
+        if not known:
+            return "shm" if kinds <= {"shm"} else "tcp"  # no peer (a single rank), or no fabric transport
+        worst = known[0]
+        for k in known[1:]:
+            if props[k].slower_than(props[worst]) or (props[k] == props[worst] and k < worst):
+                worst = k
+        return worst
+
+    def transport_costs(self, peers: list[int]) -> LinkCosts:
+        """The cost model's constants for a communicator over these peers, from what its slowest transport
+        declares (`TransportProperties`); a built-in's reference figures when no transport reaches them."""
+        kind = self.transport_kind(peers)
+        for t in self.transports:
+            if t.name == kind:
+                p = t.properties
+                return LinkCosts.of(p.latency_us, p.ring_step_us, p.bandwidth_gb_s)
+        return COSTS.get(kind, COSTS["tcp"])
 
     async def close(self, graceful: bool = True, barrier_s: float | None = None) -> None:
         if self.closed:

@@ -39,6 +39,11 @@ class TransportError(HetcclError):
     """A transport failed or is unavailable (the message says which and why)."""
 
 
+class TransportVersionError(ConfigError):
+    """A transport plugin implements an interface version this hetccl does not speak (the message says what
+    to change)."""
+
+
 class ProtocolError(HetcclError):
     """A peer sent a malformed frame (bad magic, bad length, undecodable payload)."""
 
@@ -53,4 +58,5 @@ __all__ = [
     "AuthenticationError",
     "TransportError",
     "ProtocolError",
+    "TransportVersionError",
 ]

@@ -29,9 +29,10 @@ from .gpu import dispatch, staging
 from .gpu.buffers import DeviceBuf
 from .gpu.runtime import as_tensor, stream_handle, stream_of, use_device
 from .gpu.vendor_comm import VendorComm, blocking
+from .matching import AnySource
 from .ordering import IssueOrder
 from .scheduler import CollCtx, Watchdog, run_collective
-from .transports.base import AnySource, Endpoint
+from .transports.base import Endpoint
 from .wire import CollOp, Fingerprint
 
 P2P_TAG = 0xFFFF << 48
@@ -112,7 +113,7 @@ class Group:
         self._closed = False
         self._pool = ScratchPool()
         self._override = algorithms.parse_override(self._settings.algo)
-        self._kind = fabric.transport_kind(members)
+        self._kind = fabric.transport_costs(members)  # the declared figures of its slowest transport
         self._children: list[Group] = []
         self._parent: Group | None = None
         self._watchdog = Watchdog()
@@ -485,7 +486,8 @@ class Group:
             gate.set_result(None)
 
         # a message already here: the earliest arrived
-        here = [(self._endpoints[p].matcher.arrived.get((pid, self._recv_seq[p, tag], P2P_TAG | p)), p)
+        matchers = {p: self._fabric.matchers[self._endpoints[p].peer] for p in peers}
+        here = [(matchers[p].arrived.get((pid, self._recv_seq[p, tag], P2P_TAG | p)), p)
                 for p in peers]
         here = [(stamp, p) for stamp, p in here if stamp is not None]
         if here:
@@ -502,7 +504,7 @@ class Group:
             fp = fp_of(p)
             key = (pid, fp.seq, P2P_TAG | p)
             awaitable = ep.post_recv(fp, P2P_TAG | p, b.data)
-            req = ep.matcher.posted.get(key)
+            req = matchers[p].posted.get(key)
             if req is None:  # completed at once: failed (a lost peer, a poisoned communicator) or delivered
                 group.unpost()
                 for w in waits:
@@ -510,7 +512,7 @@ class Group:
                 await awaitable
                 resolved(p)
                 return p
-            group.add(ep.matcher, key, req)
+            group.add(matchers[p], key, req)
             waits[asyncio.ensure_future(awaitable)] = p
         desc = fp_of(peers[0])  # names the receive in a timeout message; withdraws nothing (peers=())
 
@@ -533,7 +535,7 @@ class Group:
 
         def won() -> None:
             if group.winner is not None and not gate.done():
-                resolved(next(p for p in peers if self._endpoints[p].matcher is group.winner))
+                resolved(next(p for p in peers if matchers[p] is group.winner))
 
         # the peer is known as soon as its frame is taken (before the data has landed): later receives go on
         for _m, _key, req in group.posts:
@@ -554,9 +556,10 @@ class Group:
             self._aborted = CommAbortedError(f"rank {self.rank}: communicator {self.comm_id:#x} was aborted")
         self._watchdog.abort_all()
         for ep in self._endpoints.values():
-            ep.matcher.cancel_comm(self.comm_id, self._aborted)
+            m = self._fabric.matchers[ep.peer]
+            m.cancel_comm(self.comm_id, self._aborted)
             for pid in self._p2p_ids.values():
-                ep.matcher.cancel_comm(pid, self._aborted)
+                m.cancel_comm(pid, self._aborted)
         if self._vendors is not None:
             for vc in self._vendors.comms.values():
                 vc.abort()

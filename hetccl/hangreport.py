@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import params
-from .transports.base import REPORT_TAG
+from .matching import REPORT_TAG
 from .wire import Fingerprint
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def records_of(fab: Fabric) -> dict[str, Any]:
         if comm.closed and not comm.flight.inflight:
             continue
         waiting = sorted({comm.group_rank(ep.peer) for ep in comm.peers.values()
-                          for k in ep.matcher.posted if k[0] == cid})
+                          for k in fab.matchers[ep.peer].posted if k[0] == cid})
         comms[str(cid)] = {"rank": comm.rank, "size": comm.size, "next_seq": comm.next_seq,
                            "inflight": sorted(comm.flight.inflight), "waiting_for": waiting,
                            "recent": comm.flight.snapshot(now)[-RECENT:]}

@@ -34,6 +34,7 @@ from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
 from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
 from .group import Group, Mem
+from .transports import registry
 from .wire import CollOp
 
 log = logging.getLogger("hetccl")
@@ -152,7 +153,8 @@ async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
     """The zero-copy link when every island leader holds a GPU and all share one host: the pair link for two
     leaders, the ring for more; else None (decided from the layout alone, so every leader agrees)."""
     leaders = lay.leaders
-    if leaders.size < 2 or not pairlink.enabled():
+    link_cls = registry.device_link(leaders.size) if leaders.size >= 2 else None  # from what the links declare
+    if link_cls is None:
         return None
     g = leaders.members
     fab = group.fabric
@@ -160,7 +162,7 @@ async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
         return None
     if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
         return None
-    if lay.link is None and leaders.size > 2:
+    if lay.link is None and link_cls is ringlink.RingLink:
         ring = await ringlink.RingLink.create(leaders, t.device, staging.STAGE_CHUNK, group.settings.timeout)
         lay.link = ring if ring is not None else False
     elif lay.link is None:

@@ -38,7 +38,21 @@ def collect() -> dict[str, object]:
     specs = registry.discover()
     for name, reason in registry.available().items():
         transports[name] = {"source": specs.get(name, "?"), "usable": reason is None, "reason": reason}
+        try:  # what it declares (TransportProperties): what the cost model and the fabric go by
+            transports[name]["properties"] = registry.load(name).properties.describe()
+        except Exception:  # noqa: BLE001 - refused at load: the reason says why
+            pass
     out["transports"] = transports
+    links = {}
+    try:
+        for name, cls in registry.links().items():
+            reason = cls.unavailable_reason()
+            links[name] = {"usable": reason is None, "reason": reason, "properties": cls.properties.describe(),
+                           "leaders": f"{cls.min_ranks}" + ("" if cls.max_ranks == cls.min_ranks else
+                                                            f"-{cls.max_ranks or 'n'}")}
+    except Exception as exc:  # noqa: BLE001 - the point of `info` is to say what is broken
+        links["error"] = {"usable": False, "reason": str(exc), "properties": "", "leaders": ""}
+    out["device_links"] = links
     from .config import island_label
     from .errors import ConfigError
 
@@ -94,13 +108,19 @@ def print_info() -> int:
     info = collect()
     width = max(len(k) for k in info)
     for key, value in info.items():
-        if key in ("transports", "vendor_ccl", "settings"):
+        if key in ("transports", "device_links", "vendor_ccl", "settings"):
             continue
         print(wrap(f"{key:<{width}} : ", str(value)))
     print("transports:")
     for name, t in info["transports"].items():  # type: ignore[union-attr]
         state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
         print(wrap(f"  {name:<8} ", f"{state}  ({t['source']})"))
+        if t.get("properties"):
+            print(wrap(f"  {'':<8} ", f"declares {t['properties']}"))
+    print("device links (GPU island leaders of one host):")
+    for name, t in info["device_links"].items():  # type: ignore[union-attr]
+        state = "ok" if t["usable"] else f"unavailable: {t['reason']}"
+        print(wrap(f"  {name:<8} ", f"{state}; {t['leaders']} leaders; declares {t['properties']}"))
     print("vendor collective libraries (GPU islands):")
     for name, state in info["vendor_ccl"].items():  # type: ignore[union-attr]
         print(wrap(f"  {name:<8} ", state))

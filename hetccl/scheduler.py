@@ -243,9 +243,10 @@ async def run_collective(comm: GroupView, fp: Fingerprint, body: Callable[[], Co
             exc = comm.aborted or CommAbortedError(f"rank {comm.rank}: {fp.describe()} ended by comm.abort()")
             _withdraw(comm, fp, peers, exc)
             raise exc from None
+        matchers = comm.fabric.matchers
         waiting = sorted({comm.group_rank(ep.peer)
                           for ep in comm.peers.values()
-                          for k in ep.matcher.posted if k[0] == fp.comm and k[1] == fp.seq})
+                          for k in matchers[ep.peer].posted if k[0] == fp.comm and k[1] == fp.seq})
         summary = ""
         if fp.comm == comm.comm_id and params.get("HETCCL_HANG_REPORT"):
             from . import hangreport
@@ -281,8 +282,9 @@ async def run_collective(comm: GroupView, fp: Fingerprint, body: Callable[[], Co
 
 def _check_leftovers(comm: GroupView, fp: Fingerprint) -> None:
     """Data kept for this collective that it never took: the sender ran a different collective here."""
+    matchers = comm.fabric.matchers
     for peer, ep in comm.peers.items():
-        early = ep.matcher.early
+        early = matchers[ep.peer].early
         if early:
             for (c, s, _tag), (got, _data) in early.items():
                 if c == fp.comm and s == fp.seq:

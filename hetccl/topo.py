@@ -28,14 +28,23 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
     choices = [await fab.store.get(f"{fab.job}/topo/{r}") for r in range(fab.size)]
     override = algorithms.parse_override(fab.settings.algo)
     world_kind = fab.transport_kind(list(range(fab.size)))
+    world_costs = fab.transport_costs(list(range(fab.size)))
+    by_name = {t.name: t.properties for t in fab.transports}
+
+    def pair_costs(ta: str, tb: str) -> Any:  # the slower of the two sides' declared figures
+        known = [by_name[t] for t in (ta, tb) if t in by_name]
+        if not known:
+            return "tcp"
+        p = known[0] if len(known) == 1 or not known[1].slower_than(known[0]) else known[1]
+        return algorithms.LinkCosts.of(p.latency_us, p.ring_step_us, p.bandwidth_gb_s)
+
     pairs = []
     for a in range(fab.size):
         for b in range(a + 1, fab.size):
             ta, tb = choices[a].get(str(b), "?"), choices[b].get(str(a), "?")
-            kind = "shm" if ta == tb == "shm" else "tcp"
             pairs.append({"a": a, "b": b, "transport": ta if ta == tb else f"{ta}/{tb}",
                           "same_host": fab.topology.same_host(a, b),
-                          "all_reduce": crossover("all_reduce", 2, kind, override)})
+                          "all_reduce": crossover("all_reduce", 2, pair_costs(ta, tb), override)})
     islands: dict[str, list[int]] = {}
     for r, rec in enumerate(fab.records):
         islands.setdefault(rec.get("island", "cpu"), []).append(r)
@@ -47,7 +56,7 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
         "islands": islands,
         "pairs": pairs,
         "world": {"kind": world_kind, "chunk_bytes": fab.settings.chunk_bytes,
-                  "algorithms": {op: crossover(op, fab.size, world_kind, override) for op in algorithms.CHOOSABLE}},
+                  "algorithms": {op: crossover(op, fab.size, world_costs, override) for op in algorithms.CHOOSABLE}},
     }
 
 

@@ -53,7 +53,8 @@ def test_info_lists_transports() -> None:
     proc = _hetccl("info")
     assert proc.returncode == 0, proc.stderr
     assert "tcp" in proc.stdout and "shm" in proc.stdout and "native" in proc.stdout
-    assert "transport_api : 1" in proc.stdout
+    assert "transport_api : 2" in proc.stdout
+    assert "pairlink" in proc.stdout and "device memory" in proc.stdout  # the zero-copy links, declared
 
 
 @pytest.mark.timeout(60)

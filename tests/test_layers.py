@@ -17,7 +17,7 @@ PACKAGE = ROOT / "hetccl"
 LAYERS: dict[str, int] = {
     # 9: entry points and integrations
     "hetccl": 9, "hetccl.__main__": 9, "hetccl.cli": 9, "hetccl.bench": 9, "hetccl.info": 9, "hetccl.topo": 9,
-    "hetccl.launcher": 9, "hetccl.torch": 9,
+    "hetccl.launcher": 9, "hetccl.torch": 9, "hetccl.testing": 9,
     # 8: the public facade (checks arguments once, picks islands / device / host)
     "hetccl.communicator": 8, "hetccl.sync": 8,
     # 7: the hierarchical schedule (island step, leaders step, island step)
@@ -36,6 +36,8 @@ LAYERS: dict[str, int] = {
     "hetccl.transports": 2,
     # 1: observability and the cost model (the algorithms package itself: pure functions)
     "hetccl.observe": 1, "hetccl.algorithms": 1,
+    # 1: message matching (the core's; transports deliver frames to it)
+    "hetccl.matching": 1,
     # 0: host memory, formats, settings, sockets, process lifetime
     "hetccl.errors": 0, "hetccl.dtypes": 0, "hetccl.native": 0, "hetccl._native": 0, "hetccl.wire": 0,
     "hetccl.config": 0, "hetccl.netio": 0, "hetccl.auth": 0, "hetccl.flight": 0, "hetccl.ordering": 0,

@@ -18,22 +18,24 @@ from pathlib import Path
 import pytest
 
 from hetccl.config import Settings
-from hetccl.errors import ConfigError
+from hetccl.errors import ConfigError, TransportVersionError
 from hetccl.transports import registry
-from hetccl.transports.base import SUPPORTED_API_VERSIONS, TRANSPORT_API_VERSION, Transport
+from hetccl.transports.base import SUPPORTED_API_VERSIONS, TRANSPORT_API_VERSION, Transport, TransportProperties
 from hetccl.transports.shm import ShmTransport
 from hetccl.transports.tcp import TcpTransport
+from hetccl.transports.verbs import VerbsTransport
 
 PLUGIN_SOURCE = '''
-from hetccl.transports.base import Transport
+from hetccl.transports.base import Transport, TransportProperties
 
 
 class NullTransport(Transport):
     """Moves nothing: never usable, says why."""
 
     name = "null"
-    api_version = 1
+    api_version = 2
     priority = 1000
+    properties = TransportProperties(latency_us=1, ring_step_us=1, bandwidth_gb_s=1)
 
     @classmethod
     def unavailable_reason(cls):
@@ -68,6 +70,16 @@ class FutureTransport(UsableNull):
 class UndeclaredTransport(NullTransport):
     name = "undeclared"
     api_version = None  # as a plugin that never set it: Transport's default
+
+
+class OldTransport(UsableNull):
+    name = "old"
+    api_version = 1  # written for interface v1
+
+
+class NoProperties(UsableNull):
+    name = "noprops"
+    properties = None
 
 
 class NotATransport:
@@ -210,13 +222,62 @@ def test_hetccl_transports_naming_unavailable_plugin(install_plugin: Callable[..
 def test_plugin_with_unknown_api_version_refused(install_plugin: Callable[..., str]) -> None:
     install_plugin({"future": "FutureTransport"})
     assert "future" in registry.discover()
-    with pytest.raises(ConfigError, match="v99") as err:
+    with pytest.raises(TransportVersionError, match="v99") as err:
         registry.load("future")
-    assert "future" in str(err.value) and str(sorted(SUPPORTED_API_VERSIONS)) in str(err.value)
+    assert "future" in str(err.value) and all(f"v{v}" in str(err.value) for v in SUPPORTED_API_VERSIONS)
     av = registry.available()
     assert "v99" in (av["future"] or "")
     with pytest.raises(ConfigError, match="v99"):
         registry.selected(["future"])
+
+
+def test_v1_plugin_refused_saying_what_to_change(install_plugin: Callable[..., str]) -> None:
+    install_plugin({"old": "OldTransport", "undeclared": "UndeclaredTransport"})
+    with pytest.raises(TransportVersionError) as err:
+        registry.load("old")
+    text = str(err.value)
+    assert isinstance(err.value, ConfigError) and "interface v1" in text and "speaks v2" in text
+    for needle in ("ctx.new_matcher", "TransportProperties", "api_version = 2", "docs/transports.md"):
+        assert needle in text, text
+    assert "interface v1" in (registry.available()["old"] or "")
+    with pytest.raises(TransportVersionError, match="no api_version"):
+        registry.load("undeclared")
+    assert TcpTransport in registry.selected(None)  # a v1 plugin nobody asked for is skipped
+
+
+def test_removed_v1_names_fail_to_import_with_a_clear_message(install_plugin: Callable[..., str]) -> None:
+    with pytest.raises(ImportError, match="TransportProperties"):
+        from hetccl.transports.base import Capability  # noqa: F401
+    source = "from hetccl.transports.base import Capability, Transport\n"
+    install_plugin({"ancient": "Anything"}, source=source)
+    with pytest.raises(ConfigError, match="failed to load.*removed in transport interface v2"):
+        registry.load("ancient")
+
+
+def test_plugin_without_properties_refused(install_plugin: Callable[..., str]) -> None:
+    install_plugin({"noprops": "NoProperties"})
+    with pytest.raises(ConfigError, match="declares no TransportProperties"):
+        registry.load("noprops")
+
+
+def test_builtins_declare_properties_the_cost_model_uses() -> None:
+    from hetccl import algorithms
+
+    for cls in (TcpTransport, ShmTransport, VerbsTransport):
+        assert isinstance(cls.properties, TransportProperties)
+    for name, cls in (("shm", ShmTransport), ("tcp", TcpTransport)):
+        p = cls.properties
+        assert algorithms.LinkCosts.of(p.latency_us, p.ring_step_us, p.bandwidth_gb_s) == algorithms.COSTS[name]
+    assert ShmTransport.properties.same_host_only and not TcpTransport.properties.same_host_only
+    assert VerbsTransport.properties.registers_memory
+    # verbs is costed as itself, not as tcp: faster wire, so the ring wins from smaller messages
+    v = VerbsTransport.properties
+    verbs = algorithms.LinkCosts.of(v.latency_us, v.ring_step_us, v.bandwidth_gb_s)
+    assert verbs != algorithms.COSTS["tcp"]
+    assert algorithms.estimate("all_reduce", "ring", 64 << 20, 4, verbs) < \
+        algorithms.estimate("all_reduce", "ring", 64 << 20, 4, "tcp")
+    with pytest.raises(ValueError, match="positive"):
+        TransportProperties(latency_us=0, ring_step_us=1, bandwidth_gb_s=1)
 
 
 @pytest.mark.parametrize("attr", ["NotATransport", "not_a_class"])
@@ -273,3 +334,17 @@ def test_broken_plugin_does_not_break_default_selection(install_plugin: Callable
     install_plugin({"future": "FutureTransport"})
     chosen = registry.selected(None)
     assert TcpTransport in chosen
+
+
+def test_device_links_declare_properties_and_are_picked_by_leader_count() -> None:
+    """The zero-copy GPU links are listed by the registry with what they declare; the hierarchy takes the one
+    registry.device_link picks for its number of leaders (none for one)."""
+    links = registry.links()
+    assert set(links) == {"pairlink", "ringlink"}
+    for cls in links.values():
+        assert isinstance(cls.properties, TransportProperties)
+        assert cls.properties.device_memory and cls.properties.same_host_only
+    if links["pairlink"].unavailable_reason() is None:  # HETCCL_PAIRLINK on (the default)
+        assert registry.device_link(2) is links["pairlink"]
+        assert registry.device_link(3) is registry.device_link(8) is links["ringlink"]
+    assert registry.device_link(1) is None

@@ -20,7 +20,8 @@ import pytest
 
 from hetccl.config import Settings
 from hetccl.errors import CollectiveMismatchError, PeerLostError
-from hetccl.transports.base import NOTICE_TAG, Matcher, TransportContext
+from hetccl.matching import NOTICE_TAG, Matcher
+from hetccl.transports.base import TransportContext
 from hetccl.transports.tcp import TcpEndpoint, TcpTransport
 from hetccl.wire import CollOp, Fingerprint
 

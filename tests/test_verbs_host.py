@@ -26,7 +26,7 @@ def _has_rdma_device() -> bool:
 def test_registered_as_builtin_and_entry_point() -> None:
     assert registry.discover()["verbs"] == "hetccl.transports.verbs:VerbsTransport"
     assert registry.load("verbs") is VerbsTransport
-    assert VerbsTransport.api_version == 1
+    assert VerbsTransport.api_version == 2
 
 
 def test_priority_between_shm_and_tcp() -> None:

@@ -4,14 +4,16 @@
 - `latency`: recursive doubling, binomial trees, direct exchanges (few rounds, for small messages)
 - `direct`: personalised exchanges (all_to_all, gather, scatter) — the only family for those
 
-`choose()` picks ring or latency with an alpha-beta cost model whose constants depend on the transports
-the communicator uses (shared memory: cheap rounds; TCP: expensive rounds); HETCCL_ALGO overrides it,
+`choose()` picks ring or latency with an alpha-beta cost model whose constants come from the properties the
+communicator's transports declare (`TransportProperties`: latency, ring step, bandwidth; the slowest transport
+of the communicator sets them, see `Fabric.transport_costs`); HETCCL_ALGO overrides it,
 either globally (`ring`, `latency`) or per collective (`all_reduce=ring,broadcast=latency`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ..errors import ConfigError
 
@@ -23,7 +25,28 @@ CHOOSABLE = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"
 # step (it pays per-chunk task overhead), per-round cost of a latency-algorithm step, per-byte wire time,
 # per-byte reduction time. With these the all_reduce crossover for 2 ranks lands near 4 MiB on shared
 # memory (recursive doubling reduces straight out of the shared slot) and near 512 KiB on TCP.
-COSTS = {"shm": (85e-6, 5e-6, 1 / 8e9, 1 / 16e9), "tcp": (18e-6, 20e-6, 1 / 2e9, 1 / 16e9)}
+REDUCE_S_PER_BYTE = 1 / 16e9  # host reduction: the same whatever moved the bytes
+
+
+class LinkCosts(NamedTuple):
+    """The alpha-beta constants of one communicator, in seconds: a ring step, a latency-algorithm round, one
+    byte on the wire, one byte reduced."""
+
+    ring_step: float
+    round: float
+    byte: float
+    reduce_byte: float
+
+    @classmethod
+    def of(cls, latency_us: float, ring_step_us: float, bandwidth_gb_s: float) -> LinkCosts:
+        """From a transport's declared figures (`transports.base.TransportProperties`)."""
+        return cls(ring_step_us / 1e6, latency_us / 1e6, 1 / (bandwidth_gb_s * 1e9), REDUCE_S_PER_BYTE)
+
+
+# The figures the built-in transports declare (shm: ShmTransport.properties, tcp: TcpTransport.properties;
+# tests/test_registry.py checks they agree), by name, for tools and tests that reason about a kind of link
+# without a fabric. A running communicator uses its transports' declared properties, plugins' included.
+COSTS = {"shm": LinkCosts.of(5, 85, 8), "tcp": LinkCosts.of(20, 18, 2)}
 
 
 def parse_override(text: str | None) -> dict[str, str]:
@@ -53,8 +76,9 @@ def parse_override(text: str | None) -> dict[str, str]:
     return out
 
 
-def estimate(op: str, algo: str, nbytes: int, n: int, kind: str) -> float:
-    a_ring, a_lat, b, g = COSTS.get(kind, COSTS["tcp"])
+def estimate(op: str, algo: str, nbytes: int, n: int, kind: str | LinkCosts) -> float:
+    """Seconds op takes with algo on n ranks; kind: the communicator's LinkCosts, or a built-in's name."""
+    a_ring, a_lat, b, g = kind if isinstance(kind, tuple) else COSTS.get(kind, COSTS["tcp"])
     lg = math.ceil(math.log2(n)) if n > 1 else 0
     frac = (n - 1) / n
     if op == "all_reduce":
@@ -77,7 +101,7 @@ def estimate(op: str, algo: str, nbytes: int, n: int, kind: str) -> float:
     return a + frac * nbytes * (b * (1 + 0.25 * (n - 2)) + gg) + (n - 1) * 1e-6
 
 
-def choose(op: str, nbytes: int, n: int, kind: str, override: dict[str, str]) -> str:
+def choose(op: str, nbytes: int, n: int, kind: str | LinkCosts, override: dict[str, str]) -> str:
     if op in override:
         return override[op]
     if n <= 1:

@@ -33,6 +33,7 @@ from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf
 from ..errors import CollectiveTimeout, PeerLostError, TransportError
 from ..shmseg import Segment
+from ..transports.base import DeviceLink, TransportProperties
 from . import numa
 from .runtime import reduce_inplace, torch_mod, wait_event
 
@@ -53,7 +54,18 @@ SCRATCH = 2
 log = logging.getLogger("hetccl")
 
 
-class PairLink:
+class PairLink(DeviceLink):
+    name = "pairlink"
+    min_ranks = max_ranks = 2
+    # nominal (not measured here): chunks cross host memory by one D2H and one H2D copy per direction, bounded by
+    # the PCIe link; rounds pay a stream round trip
+    properties = TransportProperties(latency_us=15, ring_step_us=20, bandwidth_gb_s=20, same_host_only=True,
+                                     device_memory=True)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if enabled() else "HETCCL_PAIRLINK=0: GPU island leaders stage through hetccl's transports"
+
     def __init__(self, seg: Segment, me: int, slot_bytes: int, device: Any, ops: Any = None,
                  lost: Any = None):
         torch = torch_mod()

@@ -30,7 +30,8 @@ from ..bindings.streamops import RawEvent
 from ..dtypes import ReduceOp, as_buf, block_ranges
 from ..errors import TransportError
 from ..shmseg import Segment
-from .pairlink import SLOTS, raise_if_lost, shm_room
+from ..transports.base import DeviceLink
+from .pairlink import SLOTS, PairLink, raise_if_lost, shm_room
 from .runtime import reduce_inplace, torch_mod, wait_event
 
 HEADER = 4096  # produced (uint32) at 0, consumed (uint32) at 128: each counter on its own cache line
@@ -55,7 +56,15 @@ class _Inbox:
         return self.host + HEADER + (seq % SLOTS) * slot_bytes
 
 
-class RingLink:
+class RingLink(DeviceLink):
+    name = "ringlink"
+    min_ranks = 3
+    properties = PairLink.properties  # the same copies and segments, in a ring
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return PairLink.unavailable_reason()
+
     def __init__(self, inbox: _Inbox, outbox: _Inbox, rank: int, size: int, slot_bytes: int, device: Any,
                  ops: Any, lost: dict[int, Any], window: int):
         torch = torch_mod()

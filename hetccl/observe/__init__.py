@@ -137,7 +137,7 @@ def fmt_bytes(n: int) -> str:
     return f"{n}B"
 
 
-def crossover_bytes(op: str, n: int, kind: str) -> tuple[str, int | None, str | None]:
+def crossover_bytes(op: str, n: int, kind: Any) -> tuple[str, int | None, str | None]:
     """(choice for 1 byte, first size in bytes where `algorithms.choose` picks otherwise, that choice);
     (choice, None, None) when it never changes up to 1 TiB."""
     from .. import algorithms
@@ -155,7 +155,7 @@ def crossover_bytes(op: str, n: int, kind: str) -> tuple[str, int | None, str | 
     return first, None, None
 
 
-def crossover(op: str, n: int, kind: str, override: dict[str, str]) -> str:
+def crossover(op: str, n: int, kind: Any, override: dict[str, str]) -> str:
     """How the cost model picks for op on n ranks over `kind`, e.g. 'latency<1.9M<=ring'."""
     if op in override:
         return f"{override[op]} (HETCCL_ALGO)"
@@ -189,8 +189,9 @@ def init_summary(fab: Fabric) -> str:
         by.setdefault(t, []).append(p)
     peers = " ".join(f"{','.join(rank_ranges(ps))}:{t}" for t, ps in sorted(by.items())) or "none"
     kind = fab.transport_kind(list(range(size)))
+    costs = fab.transport_costs(list(range(size)))
     override = algorithms.parse_override(fab.settings.algo)
-    algos = " ".join(f"{op}={crossover(op, size, kind, override)}" for op in algorithms.CHOOSABLE)
+    algos = " ".join(f"{op}={crossover(op, size, costs, override)}" for op in algorithms.CHOOSABLE)
     return (f"init rank {rank}/{size} host {rec.get('hostname', socket.gethostname())} local "
             f"{fab.topology.local_rank(rank)}/{len(fab.topology.local_ranks(rank))} "
             f"island {rec.get('island', island_label())}; peers {peers}; "

@@ -1,8 +1,10 @@
-"""The authenticated listener, and the dialer, that connection-oriented transports share (TCP data, verbs set-up).
+"""The authenticated listener, and the dialer, that every transport shares (TCP data, verbs set-up, the
+shared-memory doorbells): the one accept/dial of hetccl's data connections.
 
-It binds to the chosen address, accepts, runs the server side of the HMAC handshake (`auth.py`) with a
-deadline, checks that the connection belongs to this job and claims a valid rank not already connected, and
-hands the socket to whoever awaits `incoming(rank)`. Anything else is refused, counted in `refused` and logged;
+It binds to the chosen address (TCP: the context's bind address; or an abstract Unix socket name), accepts,
+runs the server side of the HMAC handshake (`auth.py`) with a deadline, checks that the connection belongs to
+this job and claims a valid rank not already connected, and hands the socket to whoever awaits
+`incoming(rank)`. Anything else is refused, counted in `refused` and logged;
 the job goes on.
 """
 
@@ -22,8 +24,9 @@ log = logging.getLogger("hetccl")
 
 
 class PeerListener:
-    def __init__(self, ctx: TransportContext, purpose: str, label: str):
+    def __init__(self, ctx: TransportContext, purpose: str, label: str, unix_name: str | None = None):
         self.ctx, self.purpose, self.label = ctx, purpose, label  # purpose: the handshake's; label: for logs
+        self.unix_name = unix_name  # listen on this abstract Unix socket name instead of TCP
         self.refused = 0
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -31,16 +34,21 @@ class PeerListener:
         self._handshakes: set[asyncio.Task] = set()
 
     def start(self) -> int:
-        """Bind to the transport context's address, start accepting; returns the port."""
-        host = self.ctx.bind_host
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
+        """Bind to the transport context's address (or the abstract Unix name), start accepting; returns the
+        port (0 for a Unix socket)."""
+        if self.unix_name is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind("\0" + self.unix_name)
+        else:
+            host = self.ctx.bind_host
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
         sock.listen(1024)
         sock.setblocking(False)
         self._sock = sock
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-        return sock.getsockname()[1]
+        return 0 if self.unix_name is not None else sock.getsockname()[1]
 
     def incoming(self, peer: int) -> asyncio.Future:
         """The future of peer's authenticated connection (a socket)."""
@@ -87,25 +95,32 @@ class PeerListener:
                 task.cancel()
 
 
-async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str
-               ) -> socket.socket:
-    """Connect to peer's PeerListener at record["host"]:record["port"] and run the client side of the
-    handshake; CollectiveTimeout or PeerLostError naming the peer when that fails."""
+async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str,
+               unix: bool = False) -> socket.socket:
+    """Connect to peer's PeerListener at record["host"]:record["port"] (unix: at the abstract Unix socket
+    record["uds"]) and run the client side of the handshake; CollectiveTimeout or PeerLostError naming the peer
+    when that fails."""
     loop = asyncio.get_running_loop()
-    host, port = record["host"], record["port"]
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if unix:
+        address: Any = "\0" + record["uds"]
+        where = f"@{record['uds']}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        host, port = record["host"], record["port"]
+        address, where = (host, port), f"{host}:{port}"
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, (host, port)), ctx.settings.timeout)
+        await asyncio.wait_for(loop.sock_connect(sock, address), ctx.settings.timeout)
         tune_socket(sock)
         await client_handshake(loop, sock, ctx.secret, purpose, {"rank": ctx.rank, "job": ctx.job},
                                min(30.0, ctx.settings.timeout))
     except TimeoutError:
         sock.close()
-        raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {host}:{port} ({label}) timed "
-                                "out") from None
+        raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {where} ({label}) timed out") \
+            from None
     except (OSError, PeerLostError) as exc:
         sock.close()
-        raise PeerLostError(f"rank {ctx.rank}: cannot connect to rank {peer} at {host}:{port} ({label}): {exc}",
+        raise PeerLostError(f"rank {ctx.rank}: cannot connect to rank {peer} at {where} ({label}): {exc}",
                             peer) from None
     return sock

@@ -13,7 +13,8 @@ follow each other in the ring (a per-ring send queue keeps messages whole).
   there are more local ranks than cores), then raises its `waiting` flag and sleeps in the event loop on a
   Unix-socket doorbell; a producer or consumer that moves a counter rings the other side's doorbell only
   when that flag is up (Dekker-style, with seq_cst fences), so a busy pipeline pays no syscalls.
-- The doorbell sockets are authenticated (HMAC, like every data connection) and double as liveness: a
+- The doorbell sockets are authenticated (HMAC, like every data connection: listener.py's accept and dial,
+  on an abstract Unix socket) and double as liveness: a
   peer that dies closes them and every pending receive from it fails with PeerLostError.
 - Segments are unlinked as soon as every local peer has mapped them, so nothing is left in /dev/shm after
   a crash; close() unlinks again in case a peer never arrived.
@@ -33,11 +34,12 @@ from typing import Any
 import numpy as np
 
 from .. import native, params
-from ..auth import client_handshake, server_handshake
-from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
+from ..errors import CollectiveTimeout, PeerLostError
+from ..matching import CONTROL_TAGS, DROP
 from ..shmseg import Segment
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
-from .base import CONTROL_TAGS, DROP, Capability, Endpoint, Matcher, Transport, TransportContext
+from .base import Endpoint, Transport, TransportContext, TransportProperties
+from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 ffi, lib = native.ffi, native.lib
@@ -108,7 +110,7 @@ class ShmEndpoint(Endpoint):
         self.tr, self.peer, self.out = tr, peer, out_ring
         self.peer_waiting = peer_waiting
         self.bell = bell
-        self.matcher = Matcher(tr.ctx.rank, peer, tr.ctx.settings.unexpected_bytes)
+        self.matcher = tr.ctx.new_matcher(peer)  # the core's: frames are delivered to it
         self.sendq: deque[list[Any]] = deque()  # [hdr bytes, src, offset, future]
         self.out_cbase = tr.peer_cbase[peer]
         self.out_mm = tr.peer_segs[peer].mm
@@ -210,8 +212,10 @@ class ShmEndpoint(Endpoint):
 
 class ShmTransport(Transport):
     name = "shm"
-    api_version = 1
-    capabilities = Capability.SAME_HOST_ONLY | Capability.REDUCE_ON_RECV
+    api_version = 2
+    # calibrated with `hetccl bench` on a 2-core host (README): recursive doubling reduces straight out of the
+    # shared slot (cheap rounds); a ring step pays per-chunk task overhead
+    properties = TransportProperties(latency_us=5, ring_step_us=85, bandwidth_gb_s=8, same_host_only=True)
     priority = 100
 
     @classmethod
@@ -233,12 +237,10 @@ class ShmTransport(Transport):
         self.peer_segs: dict[int, Segment] = {}
         self.peer_mem: dict[int, np.ndarray] = {}
         self.peer_cbase: dict[int, Any] = {}
-        self._listener: socket.socket | None = None
-        self._incoming: dict[int, asyncio.Future] = {}
-        self._tasks: set[asyncio.Task] = set()
+        # the doorbells: authenticated Unix-socket connections, accepted and dialled as every transport does
+        self._listener = PeerListener(ctx, "shm", "shm", unix_name=f"hetccl-{ctx.job}-{ctx.rank}")
         self._wake = asyncio.Event()
         self._poller: asyncio.Task | None = None
-        self.refused = 0
         ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self._ncpu = ncpu
         self.spin_ns, self.yield_ns = 50_000, 0
@@ -246,69 +248,25 @@ class ShmTransport(Transport):
     # -- set-up ----------------------------------------------------------------------------------------
     async def listen(self) -> dict[str, Any]:
         self.loop = asyncio.get_running_loop()
-        name = f"\0hetccl-{self.ctx.job}-{self.ctx.rank}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(name)
-        sock.listen(256)
-        sock.setblocking(False)
-        self._listener = sock
-        self._spawn(self._accept_loop())
-        return {"uds": name[1:], "slots": self.slots, "slot_bytes": self.slot_bytes}
+        self._listener.start()
+        return {"uds": self._listener.unix_name, "slots": self.slots, "slot_bytes": self.slot_bytes}
+
+    @property
+    def refused(self) -> int:
+        return self._listener.refused
 
     def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
         return same_host and peer_record.get("slots") == self.slots and \
             peer_record.get("slot_bytes") == self.slot_bytes
 
-    def _spawn(self, coro: Any) -> None:
-        t = self.loop.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                conn, _ = await self.loop.sock_accept(self._listener)
-            except (OSError, asyncio.CancelledError):
-                return
-            conn.setblocking(False)
-            self._spawn(self._accept_one(conn))
-
-    async def _accept_one(self, conn: socket.socket) -> None:
-        ctx = self.ctx
-        try:
-            meta = await server_handshake(self.loop, conn, ctx.secret, "shm", min(30.0, ctx.settings.timeout))
-            peer = meta.get("rank")
-            if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
-                raise AuthenticationError(f"doorbell claims job {meta.get('job')!r} rank {peer!r}")
-            fut = self._incoming.setdefault(peer, self.loop.create_future())
-            if fut.done():
-                raise AuthenticationError(f"second doorbell claiming rank {peer}")
-            fut.set_result(conn)
-        except (HetcclError, OSError) as exc:
-            self.refused += 1
-            log.warning("hetccl shm: rank %d refused a doorbell connection: %s", ctx.rank, exc)
-            conn.close()
-
     async def _doorbell(self, peer: int, record: dict[str, Any]) -> socket.socket:
-        ctx = self.ctx
-        if peer < ctx.rank:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                await asyncio.wait_for(self.loop.sock_connect(sock, "\0" + record["uds"]), ctx.settings.timeout)
-                await client_handshake(self.loop, sock, ctx.secret, "shm", {"rank": ctx.rank, "job": ctx.job},
-                                       min(30.0, ctx.settings.timeout))
-            except (OSError, TimeoutError, PeerLostError) as exc:
-                sock.close()
-                raise PeerLostError(f"rank {ctx.rank}: shared-memory doorbell to rank {peer} failed: {exc}",
-                                    peer) from None
-            return sock
-        fut = self._incoming.setdefault(peer, self.loop.create_future())
+        """The authenticated doorbell connection to `peer` (listener.py: the higher rank dials)."""
+        if peer < self.ctx.rank:
+            return await dial(self.ctx, peer, record, "shm", "shared-memory doorbell", unix=True)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), ctx.settings.timeout)
+            return await asyncio.wait_for(asyncio.shield(self._listener.incoming(peer)), self.ctx.settings.timeout)
         except TimeoutError:
-            raise CollectiveTimeout(f"rank {ctx.rank}: rank {peer} never rang the shared-memory doorbell") \
+            raise CollectiveTimeout(f"rank {self.ctx.rank}: rank {peer} never rang the shared-memory doorbell") \
                 from None
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
@@ -437,7 +395,7 @@ class ShmTransport(Transport):
         return moved
 
     def _has_work(self) -> bool:
-        return any(ep.sendq or ep.matcher.posted for ep in self.eps.values()) or \
+        return any(ep.sendq or ep.matcher.expecting for ep in self.eps.values()) or \
             any(r.cur is not None for r in self.in_rings.values())
 
     def spin_until(self, fut: asyncio.Future, peer: int) -> None:
@@ -488,11 +446,7 @@ class ShmTransport(Transport):
                 lib.hccl_store_release(waiting, 0)
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for t in list(self._tasks):
-            t.cancel()
+        self._listener.close()
         if self._poller is not None:
             self._poller.cancel()
         for ep in self.eps.values():
