@@ -6,7 +6,9 @@
   sender never stalls behind it;
 * the first error of an endpoint stays: the loss that came first is what pending and later receives report;
 * a communicator poisoned by a mismatch fails receives posted after the notice, not only those pending;
-* a control frame that arrives before the fabric installs its handler is held, not dropped.
+* a control frame that arrives before the fabric installs its handler is held, not dropped;
+* payloads moved by the native pumps (HETCCL_SOCKET_PUMP_BYTES) keep all of the above: exact bytes both ways at
+  once, a cut frame finished, EOF and a local stop reported with exact counts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from hetccl.config import Settings
 from hetccl.errors import CollectiveMismatchError, PeerLostError
+from hetccl.netio import PUMP_EOF, PUMP_STOPPED, Pump
 from hetccl.transports.base import NOTICE_TAG, Matcher, TransportContext
 from hetccl.transports.tcp import TcpEndpoint, TcpTransport
 from hetccl.wire import CollOp, Fingerprint
@@ -47,7 +50,9 @@ def _fp(seq: int) -> Fingerprint:
     return Fingerprint(0, seq, CollOp.ALL_REDUCE, 0, 0)
 
 
-async def test_cancelled_send_finishes_its_frame() -> None:
+@pytest.mark.parametrize("pump", ["0", "4K"])
+async def test_cancelled_send_finishes_its_frame(pump: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", pump)
     lost: list[tuple[int, BaseException]] = []
     sa, sb = _pair()
     a = TcpEndpoint(_transport(0, lost), 1, sa)
@@ -73,6 +78,66 @@ async def test_cancelled_send_finishes_its_frame() -> None:
     assert np.array_equal(got2, np.arange(16, dtype=np.uint8))
     assert lost == [] and a.matcher.error is None and b.matcher.error is None
     await asyncio.gather(a.close(), b.close())  # each waits for the other's FIN
+
+
+async def test_pumped_payloads_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", "64K")
+    lost: list[tuple[int, BaseException]] = []
+    sa, sb = _pair()
+    a = TcpEndpoint(_transport(0, lost), 1, sa)
+    b = TcpEndpoint(_transport(1, lost), 0, sb)
+    rng = np.random.default_rng(0)
+    big = [rng.integers(0, 255, 3 << 20, dtype=np.uint8) for _ in range(4)]
+    small = np.arange(100, dtype=np.uint8)
+    got = [np.zeros_like(x) for x in big]
+    acc = np.ones(1 << 18, np.float32)  # a reduced receive: 1 MiB through the pump and the scratch
+    fa = [b.post_recv(_fp(1), 1, got[0]), b.post_recv(_fp(1), 2, got[1])]
+    fb = [a.post_recv(_fp(1), 1, got[2]), a.post_recv(_fp(1), 2, got[3])]
+    got_small = np.zeros_like(small)
+    fs = b.post_recv(_fp(1), 3, got_small)
+
+    def add(dst: np.ndarray, src: np.ndarray) -> None:
+        dst.view(np.float32)[:] += np.frombuffer(src, np.float32)
+
+    fr = a.post_recv(_fp(1), 4, acc.view(np.uint8), add)
+    await asyncio.wait_for(asyncio.gather(
+        a.send(_fp(1), 1, big[0]), b.send(_fp(1), 1, big[2]), a.send(_fp(1), 2, big[1]),
+        b.send(_fp(1), 2, big[3]), a.send(_fp(1), 3, small),
+        b.send(_fp(1), 4, np.full(1 << 18, 2, np.float32).view(np.uint8)), *fa, *fb, fs, fr), 20)
+    for x, y in zip(big, got, strict=True):
+        assert np.array_equal(x, y)
+    assert np.array_equal(got_small, small) and np.all(acc == 3)
+    assert all(p is not None for p in a._pumps + b._pumps) and lost == []
+    await asyncio.gather(a.close(), b.close())
+    assert all(p._p is None for p in a._pumps + b._pumps)  # type: ignore[union-attr]
+
+
+async def test_pump_reports_eof_and_stops() -> None:
+    loop = asyncio.get_running_loop()
+    pump = Pump.create(loop)
+    if pump is None:
+        pytest.skip("no native pump threads on this platform")
+    sa, sb = _pair()
+    sb.send(b"x" * 100)
+    sb.close()
+    buf = bytearray(1 << 20)
+    assert await asyncio.wait_for(pump.run(sa.fileno(), False, None, buf), 5) == (PUMP_EOF, 100)
+    assert bytes(buf[:100]) == b"x" * 100
+    sa.close()
+    sa, sb = _pair()
+    job = asyncio.ensure_future(pump.run(sa.fileno(), False, None, buf))  # nothing comes: it waits in poll()
+    await asyncio.sleep(0.1)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError) as info:
+        await asyncio.wait_for(job, 5)
+    assert getattr(info.value, "moved", None) == 0
+    job = asyncio.ensure_future(pump.run(sa.fileno(), False, None, buf))
+    await asyncio.sleep(0.1)
+    pump.close()  # a connection dropped under a waiting job: the job ends, stopped
+    assert await asyncio.wait_for(job, 5) == (PUMP_STOPPED, 0)
+    assert await pump.run(sa.fileno(), False, None, buf) == (-9, 0)  # closed: no job runs any more
+    sa.close()
+    sb.close()
 
 
 async def test_failed_reader_drains_a_full_early_buffer() -> None:

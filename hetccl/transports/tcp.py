@@ -10,19 +10,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from typing import Any
 
 import numpy as np
 
+from .. import params
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
-from ..netio import recv_into_exact, send_all
+from ..netio import Pump, pump_error, recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
+
+
+def pump_bytes() -> int:
+    """HETCCL_SOCKET_PUMP_BYTES, or its default for this machine's usable cores (0: never)."""
+    value = params.get("HETCCL_SOCKET_PUMP_BYTES")
+    if value is not None:
+        return value
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 << 20 if ncpu >= 4 else 0
 
 
 def _unsent(parts: list[Any], sent: int) -> bytes:
@@ -47,6 +58,8 @@ class TcpEndpoint(Endpoint):
         self._scratch = np.empty(0, np.uint8)
         self._closed = False
         self._finishing: asyncio.Task[None] | None = None
+        self._pump_min = pump_bytes() or 1 << 62
+        self._pumps: list[Pump | None] = [None, None]  # send, receive: made at their first large payload
         self._reader = self.loop.create_task(self._read_loop())
 
     async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
@@ -57,7 +70,10 @@ class TcpEndpoint(Endpoint):
         progress = [0]
         await self._send_lock.acquire()
         try:
-            await send_all(self.loop, self.sock, parts, self.peer, progress)
+            if len(src) >= self._pump_min and (pump := self._pump(0)) is not None:
+                await self._pump_send(pump, hdr, src, progress)
+            else:
+                await send_all(self.loop, self.sock, parts, self.peer, progress)
         except asyncio.CancelledError:
             # The collective ended (an error elsewhere, its deadline) mid-frame. A frame cut short would leave the
             # stream unframed and the connection unusable, and the goodbye that names the rank really lost could
@@ -78,6 +94,38 @@ class TcpEndpoint(Endpoint):
             raise
         self._send_lock.release()
 
+    def _pump(self, i: int) -> Pump | None:
+        pump = self._pumps[i]
+        if pump is None and not self._closed:
+            pump = self._pumps[i] = Pump.create(self.loop)
+            if pump is None:
+                self._pump_min = 1 << 62  # no native threads here: the loop path from now on
+        return pump
+
+    async def _pump_send(self, pump: Pump, hdr: bytes, src: np.ndarray, progress: list[int]) -> None:
+        try:
+            rc, moved = await pump.run(self.sock.fileno(), True, hdr, src)
+        except asyncio.CancelledError as exc:
+            progress[0] = getattr(exc, "moved", 0)
+            raise
+        progress[0] = moved
+        if rc:
+            raise pump_error(rc, self.peer, True)
+
+    async def _recv(self, mv: memoryview) -> None:
+        """Fill mv from the socket: by the receive pump when large, else on the loop."""
+        if len(mv) >= self._pump_min and (pump := self._pump(1)) is not None:
+            rc, _ = await pump.run(self.sock.fileno(), False, None, mv)
+            if rc:
+                raise pump_error(rc, self.peer, False)
+        else:
+            await recv_into_exact(self.loop, self.sock, mv, self.peer)
+
+    def _close_pumps(self) -> None:
+        for pump in self._pumps:
+            if pump is not None:
+                pump.close()
+
     async def _finish_frame(self, rest: bytes) -> None:
         try:
             async with asyncio.timeout(min(self.timeout, 10.0)):
@@ -91,6 +139,7 @@ class TcpEndpoint(Endpoint):
         """A frame could not be completed: the connection is unusable from here on, for every collective."""
         err = exc if isinstance(exc, PeerLostError) else PeerLostError(
             f"rank {self.matcher.me}: send to rank {self.peer} was interrupted; connection dropped", self.peer)
+        self._close_pumps()  # no native thread may touch the socket once it is closed
         self.sock.close()
         self.matcher.fail_all(err)
         self.transport.ctx.on_peer_lost(self.peer, err)
@@ -121,12 +170,12 @@ class TcpEndpoint(Endpoint):
                 if req is DROP:
                     await self._discard(nbytes)
                 elif req is not None and req.reduce is None:
-                    await recv_into_exact(loop, sock, memoryview(req.dst), peer)
+                    await self._recv(memoryview(req.dst))
                     if not req.fut.done():
                         req.fut.set_result(None)
                 elif req is not None:
                     scratch = self._scratch_for(nbytes)
-                    await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                    await self._recv(memoryview(scratch))
                     req.reduce(req.dst, scratch)
                     if not req.fut.done():
                         req.fut.set_result(None)
@@ -144,11 +193,11 @@ class TcpEndpoint(Endpoint):
                             continue
                         if req is not None:
                             scratch = self._scratch_for(nbytes)
-                            await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                            await self._recv(memoryview(scratch))
                             req.deliver(scratch)
                             continue
                     data = m.alloc(nbytes)
-                    await recv_into_exact(loop, sock, memoryview(data), peer)
+                    await self._recv(memoryview(data))
                     m.land(fp, tag, data)  # its receive may have been posted while we were reading
         except asyncio.CancelledError:
             m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
@@ -190,6 +239,7 @@ class TcpEndpoint(Endpoint):
         self._reader.cancel()
         with contextlib.suppress(BaseException):
             await self._reader
+        self._close_pumps()
         self.sock.close()
 
 
