@@ -50,12 +50,18 @@ def _fp(seq: int) -> Fingerprint:
     return Fingerprint(0, seq, CollOp.ALL_REDUCE, 0, 0)
 
 
-@pytest.mark.parametrize("pump", ["0", "4K"])
-async def test_cancelled_send_finishes_its_frame(pump: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def _lanes(n: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    pairs = [_pair() for _ in range(n)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+@pytest.mark.parametrize(("pump", "lanes"), [("0", 0), ("4K", 0), ("4K", 2)])
+async def test_cancelled_send_finishes_its_frame(pump: str, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", pump)
     lost: list[tuple[int, BaseException]] = []
     sa, sb = _pair()
-    a = TcpEndpoint(_transport(0, lost), 1, sa)
+    la, lb = _lanes(lanes)
+    a = TcpEndpoint(_transport(0, lost), 1, sa, la, 4096)
     a._reader.cancel()  # rank 0 only sends here
     big = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)  # 4 MiB: far more than the socket buffers hold
     send = asyncio.ensure_future(a.send(_fp(1), 7, big))
@@ -67,7 +73,7 @@ async def test_cancelled_send_finishes_its_frame(pump: str, monkeypatch: pytest.
     assert a._finishing is not None and not a._finishing.done()
     big_copy = big.copy()
     big[:] = 0  # the caller reuses its buffer at once: what is left of the frame must not change
-    b = TcpEndpoint(_transport(1, lost), 0, sb)  # rank 1 starts reading now
+    b = TcpEndpoint(_transport(1, lost), 0, sb, lb, 4096)  # rank 1 starts reading now
     got1 = np.empty_like(big)
     got2 = np.empty(16, np.uint8)
     f1 = b.post_recv(_fp(1), 7, got1)
@@ -80,12 +86,14 @@ async def test_cancelled_send_finishes_its_frame(pump: str, monkeypatch: pytest.
     await asyncio.gather(a.close(), b.close())  # each waits for the other's FIN
 
 
-async def test_pumped_payloads_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lanes", [0, 3])
+async def test_pumped_payloads_both_ways(lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", "64K")
     lost: list[tuple[int, BaseException]] = []
     sa, sb = _pair()
-    a = TcpEndpoint(_transport(0, lost), 1, sa)
-    b = TcpEndpoint(_transport(1, lost), 0, sb)
+    la, lb = _lanes(lanes)
+    a = TcpEndpoint(_transport(0, lost), 1, sa, la, 64 << 10)
+    b = TcpEndpoint(_transport(1, lost), 0, sb, lb, 64 << 10)
     rng = np.random.default_rng(0)
     big = [rng.integers(0, 255, 3 << 20, dtype=np.uint8) for _ in range(4)]
     small = np.arange(100, dtype=np.uint8)
@@ -107,9 +115,11 @@ async def test_pumped_payloads_both_ways(monkeypatch: pytest.MonkeyPatch) -> Non
     for x, y in zip(big, got, strict=True):
         assert np.array_equal(x, y)
     assert np.array_equal(got_small, small) and np.all(acc == 3)
-    assert all(p is not None for p in a._pumps + b._pumps) and lost == []
+    pumps = [p for ep in (a, b) for d in ep._pumps for p in d]
+    assert len(pumps) == 4 * (lanes + 1) and all(p is not None for p in pumps) and lost == []
     await asyncio.gather(a.close(), b.close())
-    assert all(p._p is None for p in a._pumps + b._pumps)  # type: ignore[union-attr]
+    assert all(p._p is None for p in pumps)  # type: ignore[union-attr]
+    assert all(s.fileno() == -1 for s in [sa, sb, *la, *lb])
 
 
 async def test_pump_reports_eof_and_stops() -> None:
