@@ -138,12 +138,13 @@ class Pump:
     """One native thread, one payload at a time over one socket (a send or a receive). Pump.create() gives None
     where native threads are not available."""
 
-    __slots__ = ("_lib", "_ffi", "_p", "_fd", "_loop", "_fut", "_keep", "_done")
+    __slots__ = ("_lib", "_ffi", "_p", "_fd", "_loop", "_fut", "_cb", "_keep", "_done")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, lib: Any, ffi: Any, p: Any):
         self._lib, self._ffi, self._p, self._loop = lib, ffi, p, loop
         self._fd = lib.hccl_pump_notify_fd(p)
         self._fut: asyncio.Future | None = None
+        self._cb: Any = None
         self._keep: tuple[Any, ...] = ()
         self._done = ffi.new("size_t *")
         loop.add_reader(self._fd, self._ended)
@@ -159,9 +160,27 @@ class Pump:
         rc = self._lib.hccl_pump_reap(self._p, self._done)
         if rc == PUMP_BUSY:
             return
-        fut, self._fut, self._keep = self._fut, None, ()
+        fut, cb, self._fut, self._cb, self._keep = self._fut, self._cb, None, None, ()
         if fut is not None and not fut.done():
             fut.set_result((rc, self._done[0]))
+        if cb is not None:
+            cb(rc, self._done[0])
+
+    def submit(self, fd: int, send: bool, head: Any, body: Any, on_end: Any) -> bool:
+        """Start moving head (sends only) and body; on_end(result, bytes moved) runs on the loop when the job
+        ends (stopped and closed included). False (and no call) when the pump is closed."""
+        ffi = self._ffi
+        h = ffi.from_buffer("char[]", head) if head is not None else ffi.NULL
+        b = ffi.from_buffer("char[]", body, not send)
+        if self._p is None or self._lib.hccl_pump_submit(self._p, fd, 0 if send else 1, h,
+                                                         len(h) if head is not None else 0, b, len(b)):
+            return False
+        self._cb, self._keep = on_end, (h, b, head, body)
+        return True
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._lib.hccl_pump_stop(self._p)
 
     async def run(self, fd: int, send: bool, head: Any, body: Any) -> tuple[int, int]:
         """Move head (sends only) and body; (result, bytes moved). Cancelled, it stops the job and waits for the
@@ -178,7 +197,7 @@ class Pump:
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError as exc:
-            self._lib.hccl_pump_stop(self._p)
+            self.stop()
             while not fut.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.shield(fut)

@@ -20,7 +20,7 @@ import numpy as np
 from .. import params
 from ..dtypes import block_ranges
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
-from ..netio import Pump, pump_error, recv_into_exact, send_all
+from ..netio import PUMP_STOPPED, Pump, pump_error, recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import DROP, Capability, Endpoint, Matcher, Transport, TransportContext
 from .listener import PeerListener, dial
@@ -93,7 +93,9 @@ class TcpEndpoint(Endpoint):
         lane_progress = [progress] + [[0] for _ in lane_parts[1:]]
         try:
             if split:
-                await self._lanes(self._lane_send, lane_parts, lane_progress)
+                if not await self._lanes_pumped(True, [hdr] + [None] * (len(lane_parts) - 1),
+                                                [p[-1] for p in lane_parts], lane_progress):
+                    await self._lanes(self._lane_send, lane_parts, lane_progress)
             elif len(src) >= self._pump_min and (pump := self._pump(0)) is not None:
                 await self._pump_send(pump, hdr, src, progress)
             else:
@@ -130,6 +132,51 @@ class TcpEndpoint(Endpoint):
     def _lane_parts(self, hdr: bytes, src: np.ndarray) -> list[list[Any]]:
         cuts = block_ranges(len(src), len(self.socks))
         return [[hdr, src[a:b]] if i == 0 else [src[a:b]] for i, (a, b) in enumerate(cuts)]
+
+    async def _lanes_pumped(self, send: bool, heads: list[Any], bodies: list[Any],
+                            progress: list[list[int]] | None) -> bool:
+        """Move every lane's part at once by the lanes' pumps, one future for the frame (no task per lane);
+        False (nothing started) when a lane has no pump. Any end but success stops every lane and waits for all
+        of them to let go of the buffers before the error (a cancellation first) goes on."""
+        pumps = [self._pump(0 if send else 1, i) for i in range(len(self.socks))]
+        if None in pumps:
+            return False
+        loop = self.loop
+        left, res = [len(pumps)], [(0, 0)] * len(pumps)
+        waiter = [loop.create_future()]
+
+        def ended(i: int) -> Any:
+            def cb(rc: int, moved: int) -> None:
+                res[i] = (rc, moved)
+                left[0] -= 1
+                if rc and rc != PUMP_STOPPED:  # a broken lane: stop the others, the frame cannot finish
+                    for p in pumps:
+                        p.stop()
+                if not left[0] and not waiter[0].done():
+                    waiter[0].set_result(None)
+            return cb
+
+        for i, pump in enumerate(pumps):
+            if not pump.submit(self.socks[i].fileno(), send, heads[i], bodies[i], ended(i)):  # type: ignore[union-attr]
+                ended(i)(-9, 0)  # EBADF: closed (the connection was dropped)
+        try:
+            await waiter[0]
+        except asyncio.CancelledError:
+            for p in pumps:
+                p.stop()  # type: ignore[union-attr]
+            while left[0]:
+                waiter[0] = loop.create_future()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter[0]
+            raise
+        finally:
+            if progress is not None:
+                for pr, (_, moved) in zip(progress, res, strict=True):
+                    pr[0] = moved
+        bad = [rc for rc, _ in res if rc]
+        if bad:
+            raise pump_error(next((rc for rc in bad if rc != PUMP_STOPPED), bad[0]), self.peer, send)
+        return True
 
     async def _lanes(self, one: Any, jobs: list[Any], extra: list[Any]) -> None:
         """Run one(lane, job, extra) on every connection at once; on any end but success, every lane has let go
@@ -183,7 +230,9 @@ class TcpEndpoint(Endpoint):
         loop."""
         if len(mv) >= self._split_min:
             cuts = block_ranges(len(mv), len(self.socks))
-            await self._lanes(self._lane_recv, [mv[a:b] for a, b in cuts], [None] * len(cuts))
+            views = [mv[a:b] for a, b in cuts]
+            if not await self._lanes_pumped(False, [None] * len(cuts), views, None):
+                await self._lanes(self._lane_recv, views, [None] * len(cuts))
         elif len(mv) >= self._pump_min and (pump := self._pump(1)) is not None:
             rc, _ = await pump.run(self.sock.fileno(), False, None, mv)
             if rc:
