@@ -7,6 +7,8 @@ Backends (all float32 CPU buffers, all ranks on this host):
   gloo        torch.distributed Gloo over 127.0.0.1        (benchmarks/anchor_gloo.py)
   mpi-sm      Open MPI, pml ob1, btl vader,self (shm)       (benchmarks/anchor_mpi.py under mpirun)
   mpi-tcp     Open MPI, pml ob1, btl tcp,self on lo         (benchmarks/anchor_mpi.py under mpirun)
+  hetccl-tcp-before  hetccl-tcp run from another checkout (--before DIR, e.g. `git worktree add DIR <base>`
+              with its native library built): a before/after comparison in the same run
 
 Every backend is timed by the same method (hetccl bench's, see benchmarks/benchcommon.py): barrier, then the
 collective; time = median over iterations of the slowest rank; nccl-tests sizes and busbw factors; the first
@@ -46,8 +48,9 @@ sys.path.insert(0, HERE)
 import benchcommon as bc  # noqa: E402
 from cpuguard import CpuGuard  # noqa: E402
 
-BACKENDS = ("hetccl-shm", "hetccl-tcp", "gloo", "mpi-sm", "mpi-tcp")
-LABELS = {"hetccl-shm": "hetccl shm", "hetccl-tcp": "hetccl tcp", "gloo": "Gloo (tcp lo)",
+BACKENDS = ("hetccl-shm", "hetccl-tcp-before", "hetccl-tcp", "gloo", "mpi-sm", "mpi-tcp")
+LABELS = {"hetccl-shm": "hetccl shm", "hetccl-tcp": "hetccl tcp", "hetccl-tcp-before": "hetccl tcp (before)",
+          "gloo": "Gloo (tcp lo)",
           "mpi-sm": "Open MPI sm (vader)", "mpi-tcp": "Open MPI tcp (lo)"}
 DEFAULT_OPS = "all_reduce,all_gather,broadcast,reduce_scatter,all_to_all"
 # figures of shared/anchors/results-2026-11-29.md (same machine type, 3 runs, anchors' own scripts)
@@ -71,15 +74,18 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ commands
 def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json_base: str):
-    """[(label, argv, env, json_path)] that measure backend `be` on `ops` for sizes minb..maxb."""
+    """[(label, argv, env, json_path, cwd)] that measure backend `be` on `ops` for sizes minb..maxb."""
     py = a.python
     env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV}
     env["PYTHONUNBUFFERED"] = "1"
+    cwd = REPO
+    if be == "hetccl-tcp-before":  # `python -m` imports hetccl from the working directory first
+        cwd = env["PYTHONPATH"] = os.path.abspath(a.before)
     common = ["-b", str(minb), "-e", str(maxb), "-f", "4", "-n", str(a.iters), "-w", str(a.warmup),
               "--budget", str(a.budget)]
     out = []
     if be.startswith("hetccl"):
-        if be == "hetccl-tcp":
+        if be in ("hetccl-tcp", "hetccl-tcp-before"):
             env["HETCCL_TRANSPORTS"] = "tcp"
         # all_reduce: hetccl bench times both variants, the in-place one is compared. The other ops are
         # compared out of place, so their in-place variant is skipped (half the time).
@@ -91,7 +97,7 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
             jp = "%s.%d.json" % (json_base, i)
             out.append(("%s np%d %s" % (be, np_, ",".join(g)),
                         [py, "-m", "hetccl", "bench", "--nprocs", str(np_), *common, "--ops", ",".join(g),
-                         *extra, "--json", jp], env, jp))
+                         *extra, "--json", jp], env, jp, cwd))
         return out
     jp = json_base + ".json"
     if be == "gloo":
@@ -102,11 +108,11 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
         argv = [a.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
                 "--mca", "oob_tcp_if_include", "lo", "--mca", "pml", "ob1", *btl,
                 py, os.path.join(HERE, "anchor_mpi.py"), "--transport", be.split("-")[1]]
-    out.append(("%s np%d" % (be, np_), argv + common + ["--ops", ",".join(ops), "--json", jp], env, jp))
+    out.append(("%s np%d" % (be, np_), argv + common + ["--ops", ",".join(ops), "--json", jp], env, jp, cwd))
     return out
 
 
-def run_one(label, argv, env, json_path, logf, timeout):
+def run_one(label, argv, env, json_path, logf, timeout, cwd=REPO):
     """Run one benchmark command; stream its stdout, time-stamping each op header and row.
     Returns (rc, {(op, size): (t_start, t_end)}, json dict or None)."""
     if os.path.exists(json_path):
@@ -115,7 +121,7 @@ def run_one(label, argv, env, json_path, logf, timeout):
     logf.flush()
     t_prev = time.time()
     spans, op = {}, None
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=logf, env=env, cwd=REPO, text=True, bufsize=1,
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=logf, env=env, cwd=cwd, text=True, bufsize=1,
                          start_new_session=True)
     deadline = time.time() + timeout
     try:
@@ -152,9 +158,9 @@ def run_one(label, argv, env, json_path, logf, timeout):
 def measure(be, np_, ops, minb, maxb, a, guard, raw_dir, tag, logf):
     """Measure one backend: {(op, size): point}; point = dict(time_us, busbw, algbw, wrong, foreign, ...)."""
     points, meta = {}, {}
-    for label, argv, env, jp in invocations(be, np_, ops, minb, maxb, a, os.path.join(raw_dir, tag)):
+    for label, argv, env, jp, cwd in invocations(be, np_, ops, minb, maxb, a, os.path.join(raw_dir, tag)):
         t0 = time.time()
-        rc, spans, data = run_one(label, argv, env, jp, logf, a.timeout)
+        rc, spans, data = run_one(label, argv, env, jp, logf, a.timeout, cwd)
         if rc != 0:
             log("  %s: exit code %d (see %s)" % (label, rc, os.path.relpath(logf.name, REPO)))
         meta.setdefault("rc", []).append(rc)
@@ -391,7 +397,8 @@ def write_report(path, a, info, agg, nps, ops, sizes, stats, metas, t_start, t_e
         return "—" if v is None or np_h != 2 else ("%.2f GB/s" % v if what.startswith("busbw") else "%.1f us" % v)
 
     refkey_bw = "busbw64M" if big == 64 << 20 else "-"
-    for hb, ab in (("hetccl-shm", "mpi-sm"), ("hetccl-tcp", "gloo"), ("hetccl-tcp", "mpi-tcp")):
+    for hb, ab in (("hetccl-shm", "mpi-sm"), ("hetccl-tcp", "gloo"), ("hetccl-tcp-before", "gloo"),
+                   ("hetccl-tcp", "hetccl-tcp-before"), ("hetccl-tcp", "mpi-tcp")):
         x, y = g(hb, "all_reduce", big, "busbw"), g(ab, "all_reduce", big, "busbw")
         w("| %s busbw: %s vs %s | %s | %s | %s | %s |" % (
             bc.hsize(big), LABELS[hb], LABELS[ab], "%.2f GB/s" % x if x else "—", "%.2f GB/s" % y if y else "—",
@@ -404,12 +411,13 @@ def write_report(path, a, info, agg, nps, ops, sizes, stats, metas, t_start, t_e
             "%.1f us" % ty if ty else "—",
             ("**%.2fx** %s" % ((ty / th, "faster") if ty >= th else (th / ty, "slower"))) if th and ty else "—",
             ref(ab, "t4K" if small == 4096 else "-")))
-    tt = g("hetccl-tcp", "all_reduce", small, "time_us")
-    ty = g("gloo", "all_reduce", small, "time_us")
-    if tt and ty:
-        w("| %s latency: %s vs %s | %.1f us | %.1f us | **%.2fx** %s | %s |" % (
-            bc.hsize(small), LABELS["hetccl-tcp"], LABELS["gloo"], tt, ty,
-            ty / tt if ty >= tt else tt / ty, "faster" if ty >= tt else "slower", ref("gloo", "t4K")))
+    for hb, ab in (("hetccl-tcp", "gloo"), ("hetccl-tcp", "hetccl-tcp-before")):
+        tt = g(hb, "all_reduce", small, "time_us")
+        ty = g(ab, "all_reduce", small, "time_us")
+        if tt and ty:
+            w("| %s latency: %s vs %s | %.1f us | %.1f us | **%.2fx** %s | %s |" % (
+                bc.hsize(small), LABELS[hb], LABELS[ab], tt, ty,
+                ty / tt if ty >= tt else tt / ty, "faster" if ty >= tt else "slower", ref(ab, "t4K")))
     w("")
     w("Ratios: busbw hetccl / anchor (>1: hetccl better); latency: how many times faster (anchor time / "
       "hetccl time) or slower hetccl is.\n")
@@ -477,7 +485,9 @@ def parse_args(argv):
     ap.add_argument("--min-bytes", default="4K")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--ops", default=DEFAULT_OPS, help="comma list (default %s)" % DEFAULT_OPS)
-    ap.add_argument("--backends", default=",".join(BACKENDS), help="comma list (default all: %s)" % ",".join(BACKENDS))
+    default_backends = ",".join(b for b in BACKENDS if b != "hetccl-tcp-before")
+    ap.add_argument("--backends", default=default_backends,
+                    help="comma list (default all but hetccl-tcp-before: %s)" % default_backends)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 rep, np 2, up to 1M")
     ap.add_argument("--out", default="", help="report path (default benchmarks/results/cpu-<date>.md; "
                                               "with --quick benchmarks/results/raw/cpu-<date>-quick.md)")
@@ -498,6 +508,7 @@ def parse_args(argv):
                     help="seconds spent re-measuring in the whole run at most (default 180)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark job (default 900)")
     ap.add_argument("--python", default=sys.executable, help="python with hetccl, torch, numpy, mpi4py")
+    ap.add_argument("--before", default="", help="checkout that the hetccl-tcp-before backend runs")
     ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
     a = ap.parse_args(argv)
     a.argv_echo = argv
@@ -512,6 +523,8 @@ def parse_args(argv):
     for b in a.backends:
         if b not in BACKENDS:
             ap.error("unknown backend %r; choose from %s" % (b, ",".join(BACKENDS)))
+    if "hetccl-tcp-before" in a.backends and not os.path.isdir(os.path.join(a.before, "hetccl")):
+        ap.error("backend hetccl-tcp-before needs --before DIR, a checkout with hetccl/ in it")
     return a
 
 

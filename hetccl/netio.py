@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 from typing import Any
 
@@ -121,3 +123,102 @@ def interface_addr(name: str) -> str:
             raise ConfigError(f"HETCCL_SOCKET_IFNAME={name!r}: the interface has no IPv4 address ({exc}); "
                               "give an address with HETCCL_BIND_ADDR instead") from None
     return socket.inet_ntoa(packed[20:24])
+
+
+# ---- payload pumps (issue 16 item 2) --------------------------------------------------------------------------
+# A large payload's bytes are moved by a native thread (native/hetccl_native.c, hccl_pump_*) instead of the event
+# loop: the loop submits the job and hears of its end through an eventfd, so that a ring step's send and receive
+# copy on two cores at once while the loop thread runs Python. The native thread never takes the GIL (a Python
+# worker thread would wait up to a GIL switch interval to report back).
+
+PUMP_BUSY, PUMP_EOF, PUMP_STOPPED = 1, 2, 3
+
+
+class Pump:
+    """One native thread, one payload at a time over one socket (a send or a receive). Pump.create() gives None
+    where native threads are not available."""
+
+    __slots__ = ("_lib", "_ffi", "_p", "_fd", "_loop", "_fut", "_cb", "_keep", "_done")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lib: Any, ffi: Any, p: Any):
+        self._lib, self._ffi, self._p, self._loop = lib, ffi, p, loop
+        self._fd = lib.hccl_pump_notify_fd(p)
+        self._fut: asyncio.Future | None = None
+        self._cb: Any = None
+        self._keep: tuple[Any, ...] = ()
+        self._done = ffi.new("size_t *")
+        loop.add_reader(self._fd, self._ended)
+
+    @classmethod
+    def create(cls, loop: asyncio.AbstractEventLoop) -> Pump | None:
+        from .native import ffi, lib
+
+        p = lib.hccl_pump_new()
+        return None if p == ffi.NULL else cls(loop, lib, ffi, p)
+
+    def _ended(self) -> None:
+        rc = self._lib.hccl_pump_reap(self._p, self._done)
+        if rc == PUMP_BUSY:
+            return
+        fut, cb, self._fut, self._cb, self._keep = self._fut, self._cb, None, None, ()
+        if fut is not None and not fut.done():
+            fut.set_result((rc, self._done[0]))
+        if cb is not None:
+            cb(rc, self._done[0])
+
+    def submit(self, fd: int, send: bool, head: Any, body: Any, on_end: Any) -> bool:
+        """Start moving head (sends only) and body; on_end(result, bytes moved) runs on the loop when the job
+        ends (stopped and closed included). False (and no call) when the pump is closed."""
+        ffi = self._ffi
+        h = ffi.from_buffer("char[]", head) if head is not None else ffi.NULL
+        b = ffi.from_buffer("char[]", body, not send)
+        if self._p is None or self._lib.hccl_pump_submit(self._p, fd, 0 if send else 1, h,
+                                                         len(h) if head is not None else 0, b, len(b)):
+            return False
+        self._cb, self._keep = on_end, (h, b, head, body)
+        return True
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._lib.hccl_pump_stop(self._p)
+
+    async def run(self, fd: int, send: bool, head: Any, body: Any) -> tuple[int, int]:
+        """Move head (sends only) and body; (result, bytes moved). Cancelled, it stops the job and waits for the
+        native thread to let go of the buffers (promptly: the stop wakes its poll) before CancelledError goes on,
+        with `.moved` on the error."""
+        ffi = self._ffi
+        h = ffi.from_buffer("char[]", head) if head is not None else ffi.NULL
+        b = ffi.from_buffer("char[]", body, not send)
+        if self._p is None or self._lib.hccl_pump_submit(self._p, fd, 0 if send else 1, h,
+                                                         len(h) if head is not None else 0, b, len(b)):
+            return -9, 0  # EBADF: the pump is closed (the connection was dropped)
+        fut = self._fut = self._loop.create_future()
+        self._keep = (h, b, head, body)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError as exc:
+            self.stop()
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(fut)
+            exc.moved = fut.result()[1]  # type: ignore[attr-defined]
+            raise
+
+    def close(self) -> None:
+        """Stop the job in flight (its waiter gets PUMP_STOPPED), join the thread, free it. No job runs after."""
+        if self._p is None:
+            return
+        self._loop.remove_reader(self._fd)
+        self._lib.hccl_pump_quit(self._p)
+        self._ended()
+        self._lib.hccl_pump_free(self._p)
+        self._p = None
+
+
+def pump_error(rc: int, peer: int, sending: bool) -> PeerLostError:
+    if rc == PUMP_EOF:
+        return PeerLostError(f"rank {peer} closed the connection", peer)
+    if rc == PUMP_STOPPED:
+        return PeerLostError(f"connection to rank {peer} closed locally", peer)
+    what = "sending to" if sending else "connection to"
+    return PeerLostError(f"{what} rank {peer} failed: {os.strerror(-rc)}", peer)

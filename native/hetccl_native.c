@@ -841,3 +841,252 @@ const char *hccl_build_info(void)
 {
     return hccl_info_buf;
 }
+
+/* ================================================================================================ */
+/* TCP payload pumps (issue 16 item 2): one native thread per pump, no GIL, completion by eventfd.   */
+/* Kept as one block at the end of the file (merging).                                                */
+/* ================================================================================================ */
+
+#if defined(_WIN32) || !defined(__linux__)
+hccl_pump *hccl_pump_new(void) { return NULL; }
+int hccl_pump_notify_fd(hccl_pump *p) { (void)p; return -1; }
+int hccl_pump_submit(hccl_pump *p, int fd, int dir, const void *head, size_t hlen, void *body, size_t n)
+{
+    (void)p; (void)fd; (void)dir; (void)head; (void)hlen; (void)body; (void)n;
+    return -1;
+}
+void hccl_pump_stop(hccl_pump *p) { (void)p; }
+void hccl_pump_quit(hccl_pump *p) { (void)p; }
+int hccl_pump_reap(hccl_pump *p, size_t *done) { (void)p; *done = 0; return -38; }
+void hccl_pump_free(hccl_pump *p) { (void)p; }
+#else
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+struct hccl_pump {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th;
+    int notify_fd; /* the loop watches it: readable when a job ended */
+    int wake_fd;   /* stop/quit wake the thread out of poll() */
+    int state;     /* 0 idle, 1 submitted or running, 2 ended (not reaped) */
+    int quit;
+    int joined;
+    int stop;      /* atomic */
+    int fd, dir;
+    const char *head;
+    size_t hlen;
+    char *body;
+    size_t n;
+    int rc;
+    size_t done;
+};
+
+static void hccl_pump_drain(int fd)
+{
+    uint64_t v;
+    while (read(fd, &v, sizeof v) < 0 && errno == EINTR) {
+    }
+}
+
+static void hccl_pump_signal(int fd)
+{
+    uint64_t one = 1;
+    while (write(fd, &one, sizeof one) < 0 && errno == EINTR) {
+    }
+}
+
+/* 0: fd ready; HCCL_PUMP_STOPPED; -errno */
+static int hccl_pump_wait(hccl_pump *p, short events)
+{
+    for (;;) {
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
+            return HCCL_PUMP_STOPPED;
+        struct pollfd fds[2] = {{p->fd, events, 0}, {p->wake_fd, POLLIN, 0}};
+        int r = poll(fds, 2, -1);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (fds[1].revents)
+            hccl_pump_drain(p->wake_fd); /* the stop flag is read on the next turn */
+        if (fds[0].revents)
+            return 0; /* ready, or an error/hang-up that the next call reports */
+    }
+}
+
+static int hccl_pump_io(hccl_pump *p)
+{
+    size_t total = p->hlen + p->n, moved = 0;
+    p->done = 0;
+    while (moved < total) {
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
+            return HCCL_PUMP_STOPPED;
+        ssize_t r;
+        if (p->dir == 0) {
+            struct iovec iov[2];
+            int k = 0;
+            if (moved < p->hlen) {
+                iov[k].iov_base = (char *)p->head + moved;
+                iov[k++].iov_len = p->hlen - moved;
+            }
+            if (p->n) {
+                size_t off = moved > p->hlen ? moved - p->hlen : 0;
+                iov[k].iov_base = p->body + off;
+                iov[k++].iov_len = p->n - off;
+            }
+            struct msghdr msg;
+            memset(&msg, 0, sizeof msg);
+            msg.msg_iov = iov;
+            msg.msg_iovlen = k;
+            r = sendmsg(p->fd, &msg, MSG_NOSIGNAL);
+        } else {
+            r = recv(p->fd, p->body + moved, total - moved, 0);
+            if (r == 0)
+                return HCCL_PUMP_EOF;
+        }
+        if (r > 0) {
+            moved += (size_t)r;
+            p->done = moved;
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return -errno;
+        int w = hccl_pump_wait(p, p->dir == 0 ? POLLOUT : POLLIN);
+        if (w)
+            return w;
+    }
+    return 0;
+}
+
+static void *hccl_pump_main(void *arg)
+{
+    hccl_pump *p = (hccl_pump *)arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->state != 1 && !p->quit)
+            pthread_cond_wait(&p->cv, &p->mu);
+        if (p->state != 1)
+            break; /* quit with nothing to do */
+        pthread_mutex_unlock(&p->mu);
+        int rc = hccl_pump_io(p);
+        pthread_mutex_lock(&p->mu);
+        p->rc = rc;
+        p->state = 2;
+        hccl_pump_signal(p->notify_fd);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+hccl_pump *hccl_pump_new(void)
+{
+    hccl_pump *p = (hccl_pump *)calloc(1, sizeof *p);
+    if (p == NULL)
+        return NULL;
+    p->notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->notify_fd < 0 || p->wake_fd < 0)
+        goto fail;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the Python threads */
+    int e = pthread_create(&p->th, NULL, hccl_pump_main, p);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (e == 0)
+        return p;
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+fail:
+    if (p->notify_fd >= 0)
+        close(p->notify_fd);
+    if (p->wake_fd >= 0)
+        close(p->wake_fd);
+    free(p);
+    return NULL;
+}
+
+int hccl_pump_notify_fd(hccl_pump *p)
+{
+    return p->notify_fd;
+}
+
+int hccl_pump_submit(hccl_pump *p, int fd, int dir, const void *head, size_t hlen, void *body, size_t n)
+{
+    pthread_mutex_lock(&p->mu);
+    if (p->state != 0 || p->quit) {
+        pthread_mutex_unlock(&p->mu);
+        return -1;
+    }
+    p->fd = fd;
+    p->dir = dir;
+    p->head = (const char *)head;
+    p->hlen = dir == 0 ? hlen : 0;
+    p->body = (char *)body;
+    p->n = n;
+    p->rc = 0;
+    p->done = 0;
+    __atomic_store_n(&p->stop, 0, __ATOMIC_RELEASE);
+    p->state = 1;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    return 0;
+}
+
+void hccl_pump_stop(hccl_pump *p)
+{
+    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+    hccl_pump_signal(p->wake_fd);
+}
+
+int hccl_pump_reap(hccl_pump *p, size_t *done)
+{
+    pthread_mutex_lock(&p->mu);
+    int rc = HCCL_PUMP_BUSY;
+    *done = p->done;
+    if (p->state == 2) {
+        hccl_pump_drain(p->notify_fd);
+        rc = p->rc;
+        p->state = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+void hccl_pump_quit(hccl_pump *p)
+{
+    if (p->joined)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->quit = 1;
+    pthread_cond_signal(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    hccl_pump_stop(p);
+    pthread_join(p->th, NULL);
+    p->joined = 1;
+}
+
+void hccl_pump_free(hccl_pump *p)
+{
+    if (p == NULL)
+        return;
+    hccl_pump_quit(p);
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    close(p->notify_fd);
+    close(p->wake_fd);
+    free(p);
+}
+#endif

@@ -72,3 +72,27 @@ uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which
  * kernel clone this CPU runs, how float16 is converted */
 const char *hccl_build_info(void);
+
+/* ---- TCP payload pumps (issue 16 item 2) ---------------------------------------------------------
+ * A pump is one native thread that moves one payload at a time over a non-blocking socket with no GIL
+ * and no Python: the event loop submits a job and learns that it ended through an eventfd it watches
+ * (hccl_pump_notify_fd), so a send and a receive run on two cores at once. One job at a time per pump.
+ * hccl_pump_new: NULL if the thread or the eventfds could not be made (the caller keeps to its loop path).
+ * hccl_pump_submit: dir 0 sends head[hlen] then body[n] (one sendmsg per wake-up, MSG_NOSIGNAL); dir 1
+ *   receives exactly n bytes into body. Returns 0, or -1 when a job is still in flight.
+ * hccl_pump_stop: the job in flight ends soon (HCCL_PUMP_STOPPED), with an exact byte count.
+ * hccl_pump_reap: if the job ended, clears the notification, writes its byte count and returns its
+ *   result (0 done, HCCL_PUMP_EOF, HCCL_PUMP_STOPPED, or -errno); HCCL_PUMP_BUSY while it runs.
+ * hccl_pump_quit: stops the job in flight and joins the thread (hccl_pump_reap then gives the job's end);
+ *   no job runs after it. hccl_pump_free: quits if not yet done, closes the eventfds, frees. */
+#define HCCL_PUMP_BUSY 1
+#define HCCL_PUMP_EOF 2
+#define HCCL_PUMP_STOPPED 3
+typedef struct hccl_pump hccl_pump;
+hccl_pump *hccl_pump_new(void);
+int hccl_pump_notify_fd(hccl_pump *p);
+int hccl_pump_submit(hccl_pump *p, int fd, int dir, const void *head, size_t hlen, void *body, size_t n);
+void hccl_pump_stop(hccl_pump *p);
+int hccl_pump_reap(hccl_pump *p, size_t *done);
+void hccl_pump_quit(hccl_pump *p);
+void hccl_pump_free(hccl_pump *p);

@@ -6,7 +6,9 @@
   sender never stalls behind it;
 * the first error of an endpoint stays: the loss that came first is what pending and later receives report;
 * a communicator poisoned by a mismatch fails receives posted after the notice, not only those pending;
-* a control frame that arrives before the fabric installs its handler is held, not dropped.
+* a control frame that arrives before the fabric installs its handler is held, not dropped;
+* payloads moved by the native pumps (HETCCL_SOCKET_PUMP_BYTES) keep all of the above: exact bytes both ways at
+  once, a cut frame finished, EOF and a local stop reported with exact counts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from hetccl.config import Settings
 from hetccl.errors import CollectiveMismatchError, PeerLostError
 from hetccl.matching import NOTICE_TAG, Matcher
+from hetccl.netio import PUMP_EOF, PUMP_STOPPED, Pump
 from hetccl.transports.base import TransportContext
 from hetccl.transports.tcp import TcpEndpoint, TcpTransport
 from hetccl.wire import CollOp, Fingerprint
@@ -48,10 +51,18 @@ def _fp(seq: int) -> Fingerprint:
     return Fingerprint(0, seq, CollOp.ALL_REDUCE, 0, 0)
 
 
-async def test_cancelled_send_finishes_its_frame() -> None:
+def _lanes(n: int) -> tuple[list[socket.socket], list[socket.socket]]:
+    pairs = [_pair() for _ in range(n)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+@pytest.mark.parametrize(("pump", "lanes"), [("0", 0), ("4K", 0), ("4K", 2)])
+async def test_cancelled_send_finishes_its_frame(pump: str, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", pump)
     lost: list[tuple[int, BaseException]] = []
     sa, sb = _pair()
-    a = TcpEndpoint(_transport(0, lost), 1, sa)
+    la, lb = _lanes(lanes)
+    a = TcpEndpoint(_transport(0, lost), 1, sa, la, 4096)
     a._reader.cancel()  # rank 0 only sends here
     big = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)  # 4 MiB: far more than the socket buffers hold
     send = asyncio.ensure_future(a.send(_fp(1), 7, big))
@@ -63,7 +74,7 @@ async def test_cancelled_send_finishes_its_frame() -> None:
     assert a._finishing is not None and not a._finishing.done()
     big_copy = big.copy()
     big[:] = 0  # the caller reuses its buffer at once: what is left of the frame must not change
-    b = TcpEndpoint(_transport(1, lost), 0, sb)  # rank 1 starts reading now
+    b = TcpEndpoint(_transport(1, lost), 0, sb, lb, 4096)  # rank 1 starts reading now
     got1 = np.empty_like(big)
     got2 = np.empty(16, np.uint8)
     f1 = b.post_recv(_fp(1), 7, got1)
@@ -74,6 +85,70 @@ async def test_cancelled_send_finishes_its_frame() -> None:
     assert np.array_equal(got2, np.arange(16, dtype=np.uint8))
     assert lost == [] and a.matcher.error is None and b.matcher.error is None
     await asyncio.gather(a.close(), b.close())  # each waits for the other's FIN
+
+
+@pytest.mark.parametrize("lanes", [0, 3])
+async def test_pumped_payloads_both_ways(lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETCCL_SOCKET_PUMP_BYTES", "64K")
+    lost: list[tuple[int, BaseException]] = []
+    sa, sb = _pair()
+    la, lb = _lanes(lanes)
+    a = TcpEndpoint(_transport(0, lost), 1, sa, la, 64 << 10)
+    b = TcpEndpoint(_transport(1, lost), 0, sb, lb, 64 << 10)
+    rng = np.random.default_rng(0)
+    big = [rng.integers(0, 255, 3 << 20, dtype=np.uint8) for _ in range(4)]
+    small = np.arange(100, dtype=np.uint8)
+    got = [np.zeros_like(x) for x in big]
+    acc = np.ones(1 << 18, np.float32)  # a reduced receive: 1 MiB through the pump and the scratch
+    fa = [b.post_recv(_fp(1), 1, got[0]), b.post_recv(_fp(1), 2, got[1])]
+    fb = [a.post_recv(_fp(1), 1, got[2]), a.post_recv(_fp(1), 2, got[3])]
+    got_small = np.zeros_like(small)
+    fs = b.post_recv(_fp(1), 3, got_small)
+
+    def add(dst: np.ndarray, src: np.ndarray) -> None:
+        dst.view(np.float32)[:] += np.frombuffer(src, np.float32)
+
+    fr = a.post_recv(_fp(1), 4, acc.view(np.uint8), add)
+    await asyncio.wait_for(asyncio.gather(
+        a.send(_fp(1), 1, big[0]), b.send(_fp(1), 1, big[2]), a.send(_fp(1), 2, big[1]),
+        b.send(_fp(1), 2, big[3]), a.send(_fp(1), 3, small),
+        b.send(_fp(1), 4, np.full(1 << 18, 2, np.float32).view(np.uint8)), *fa, *fb, fs, fr), 20)
+    for x, y in zip(big, got, strict=True):
+        assert np.array_equal(x, y)
+    assert np.array_equal(got_small, small) and np.all(acc == 3)
+    pumps = [p for ep in (a, b) for d in ep._pumps for p in d]
+    assert len(pumps) == 4 * (lanes + 1) and all(p is not None for p in pumps) and lost == []
+    await asyncio.gather(a.close(), b.close())
+    assert all(p._p is None for p in pumps)  # type: ignore[union-attr]
+    assert all(s.fileno() == -1 for s in [sa, sb, *la, *lb])
+
+
+async def test_pump_reports_eof_and_stops() -> None:
+    loop = asyncio.get_running_loop()
+    pump = Pump.create(loop)
+    if pump is None:
+        pytest.skip("no native pump threads on this platform")
+    sa, sb = _pair()
+    sb.send(b"x" * 100)
+    sb.close()
+    buf = bytearray(1 << 20)
+    assert await asyncio.wait_for(pump.run(sa.fileno(), False, None, buf), 5) == (PUMP_EOF, 100)
+    assert bytes(buf[:100]) == b"x" * 100
+    sa.close()
+    sa, sb = _pair()
+    job = asyncio.ensure_future(pump.run(sa.fileno(), False, None, buf))  # nothing comes: it waits in poll()
+    await asyncio.sleep(0.1)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError) as info:
+        await asyncio.wait_for(job, 5)
+    assert getattr(info.value, "moved", None) == 0
+    job = asyncio.ensure_future(pump.run(sa.fileno(), False, None, buf))
+    await asyncio.sleep(0.1)
+    pump.close()  # a connection dropped under a waiting job: the job ends, stopped
+    assert await asyncio.wait_for(job, 5) == (PUMP_STOPPED, 0)
+    assert await pump.run(sa.fileno(), False, None, buf) == (-9, 0)  # closed: no job runs any more
+    sa.close()
+    sb.close()
 
 
 async def test_failed_reader_drains_a_full_early_buffer() -> None:

@@ -198,8 +198,8 @@ def test_conformance_reports_a_broken_transport() -> None:
     import hetccl.transports.tcp as tcp
 
     class OwnEndpoint(tcp.TcpEndpoint):
-        def __init__(self, transport, peer, sock):  # type: ignore[no-untyped-def]
-            super().__init__(transport, peer, sock)
+        def __init__(self, transport, peer, sock, *lanes):  # type: ignore[no-untyped-def]
+            super().__init__(transport, peer, sock, *lanes)
             self.matcher = Matcher(transport.ctx.rank, peer, 1 << 20)
 
     orig = tcp.TcpEndpoint

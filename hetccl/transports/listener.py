@@ -28,9 +28,10 @@ class PeerListener:
         self.ctx, self.purpose, self.label = ctx, purpose, label  # purpose: the handshake's; label: for logs
         self.unix_name = unix_name  # listen on this abstract Unix socket name instead of TCP
         self.refused = 0
+        self.lanes = 1  # connections accepted per peer (TCP lanes: meta "lane" 0..lanes-1; verbs: 1)
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
-        self._incoming: dict[int, asyncio.Future] = {}
+        self._incoming: dict[tuple[int, int], asyncio.Future] = {}
         self._handshakes: set[asyncio.Task] = set()
 
     def start(self) -> int:
@@ -50,11 +51,11 @@ class PeerListener:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
         return 0 if self.unix_name is not None else sock.getsockname()[1]
 
-    def incoming(self, peer: int) -> asyncio.Future:
-        """The future of peer's authenticated connection (a socket)."""
-        fut = self._incoming.get(peer)
+    def incoming(self, peer: int, lane: int = 0) -> asyncio.Future:
+        """The future of peer's authenticated connection (a socket); lane > 0: one of its extra TCP lanes."""
+        fut = self._incoming.get((peer, lane))
         if fut is None:
-            fut = self._incoming[peer] = asyncio.get_running_loop().create_future()
+            fut = self._incoming[peer, lane] = asyncio.get_running_loop().create_future()
         return fut
 
     async def _accept_loop(self) -> None:
@@ -77,9 +78,13 @@ class PeerListener:
             peer = meta.get("rank")
             if meta.get("job") != ctx.job or not isinstance(peer, int) or not 0 <= peer < ctx.size:
                 raise AuthenticationError(f"connection claims job {meta.get('job')!r} rank {peer!r}")
-            fut = self.incoming(peer)
+            lane = meta.get("lane", 0)
+            if not isinstance(lane, int) or not 0 <= lane < self.lanes:
+                raise AuthenticationError(f"connection from rank {peer} claims lane {lane!r}")
+            fut = self.incoming(peer, lane)
             if fut.done():
-                raise AuthenticationError(f"second connection claiming rank {peer}")
+                raise AuthenticationError(f"second connection claiming rank {peer}"
+                                          + (f" lane {lane}" if lane else ""))
             fut.set_result(conn)
         except (AuthenticationError, HetcclError, OSError) as exc:
             self.refused += 1
@@ -96,10 +101,10 @@ class PeerListener:
 
 
 async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str,
-               unix: bool = False) -> socket.socket:
+               unix: bool = False, lane: int = 0) -> socket.socket:
     """Connect to peer's PeerListener at record["host"]:record["port"] (unix: at the abstract Unix socket
-    record["uds"]) and run the client side of the handshake; CollectiveTimeout or PeerLostError naming the peer
-    when that fails."""
+    record["uds"]) and run the client side of the handshake (lane > 0: one of the pair's extra TCP lanes);
+    CollectiveTimeout or PeerLostError naming the peer when that fails."""
     loop = asyncio.get_running_loop()
     if unix:
         address: Any = "\0" + record["uds"]
@@ -113,8 +118,10 @@ async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose
     try:
         await asyncio.wait_for(loop.sock_connect(sock, address), ctx.settings.timeout)
         tune_socket(sock)
-        await client_handshake(loop, sock, ctx.secret, purpose, {"rank": ctx.rank, "job": ctx.job},
-                               min(30.0, ctx.settings.timeout))
+        meta: dict[str, Any] = {"rank": ctx.rank, "job": ctx.job}
+        if lane:
+            meta["lane"] = lane
+        await client_handshake(loop, sock, ctx.secret, purpose, meta, min(30.0, ctx.settings.timeout))
     except TimeoutError:
         sock.close()
         raise CollectiveTimeout(f"rank {ctx.rank}: connecting to rank {peer} at {where} ({label}) timed out") \

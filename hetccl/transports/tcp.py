@@ -10,20 +10,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import params
+from ..dtypes import block_ranges
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
 from ..matching import DROP
-from ..netio import recv_into_exact, send_all
+from ..netio import PUMP_STOPPED, Pump, pump_error, recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import Endpoint, Transport, TransportContext, TransportProperties
 from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
+
+
+def pump_bytes() -> int:
+    """HETCCL_SOCKET_PUMP_BYTES, or its default for this machine's usable cores (0: never)."""
+    value = params.get("HETCCL_SOCKET_PUMP_BYTES")
+    if value is not None:
+        return value
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 << 20 if ncpu >= 8 else 0
+
+
+def lane_count() -> int:
+    """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (1 without pumps)."""
+    value = params.get("HETCCL_SOCKET_LANES")
+    if value is not None:
+        return value
+    if not pump_bytes():
+        return 1
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if ncpu >= 8 else 1
 
 
 def _unsent(parts: list[Any], sent: int) -> bytes:
@@ -37,8 +61,13 @@ def _unsent(parts: list[Any], sent: int) -> bytes:
 
 
 class TcpEndpoint(Endpoint):
-    def __init__(self, transport: TcpTransport, peer: int, sock: socket.socket):
+    def __init__(self, transport: TcpTransport, peer: int, sock: socket.socket, lanes: Sequence[socket.socket] = (),
+                 split_bytes: int = 0):
+        """lanes: the pair's extra connections; a payload of at least split_bytes (agreed by both ranks) is cut
+        in len(lanes) + 1 contiguous parts, part 0 after the header on sock, part i alone on lanes[i - 1]."""
         self.transport, self.peer, self.sock = transport, peer, sock
+        self.socks = [sock, *lanes]
+        self._split_min = split_bytes if lanes and split_bytes else 1 << 62
         self.loop = asyncio.get_running_loop()
         settings = transport.ctx.settings
         self.matcher = transport.ctx.new_matcher(peer)  # the core's: frames are delivered to it
@@ -48,6 +77,9 @@ class TcpEndpoint(Endpoint):
         self._scratch = np.empty(0, np.uint8)
         self._closed = False
         self._finishing: asyncio.Task[None] | None = None
+        self._pump_min = pump_bytes() or 1 << 62
+        # [send, receive][connection]: made at their first large payload
+        self._pumps: list[list[Pump | None]] = [[None] * len(self.socks), [None] * len(self.socks)]
         self._reader = self.loop.create_task(self._read_loop())
 
     async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
@@ -57,16 +89,27 @@ class TcpEndpoint(Endpoint):
         parts = [hdr, src] if len(src) else [hdr]
         progress = [0]
         await self._send_lock.acquire()
+        split = len(src) >= self._split_min
+        lane_parts = self._lane_parts(hdr, src) if split else [parts]
+        lane_progress = [progress] + [[0] for _ in lane_parts[1:]]
         try:
-            await send_all(self.loop, self.sock, parts, self.peer, progress)
+            if split:
+                if not await self._lanes_pumped(True, [hdr] + [None] * (len(lane_parts) - 1),
+                                                [p[-1] for p in lane_parts], lane_progress):
+                    await self._lanes(self._lane_send, lane_parts, lane_progress)
+            elif len(src) >= self._pump_min and (pump := self._pump(0)) is not None:
+                await self._pump_send(pump, hdr, src, progress)
+            else:
+                await send_all(self.loop, self.sock, parts, self.peer, progress)
         except asyncio.CancelledError:
             # The collective ended (an error elsewhere, its deadline) mid-frame. A frame cut short would leave the
             # stream unframed and the connection unusable, and the goodbye that names the rank really lost could
             # not follow. Finish the frame in the background with the bytes it was meant to carry (copied now:
-            # the caller may reuse its buffer), holding the lock until then.
-            rest = _unsent(parts, progress[0]) if progress[0] else b""
-            if rest:
-                self._finishing = self.loop.create_task(self._finish_frame(rest))
+            # the caller may reuse its buffer), holding the lock until then. Split over lanes, every lane's part
+            # is finished once any has begun.
+            rests = [(s, _unsent(p, pr[0])) for s, p, pr in zip(self.socks, lane_parts, lane_progress, strict=False)]
+            if any(pr[0] for pr in lane_progress) and any(r for _, r in rests):
+                self._finishing = self.loop.create_task(self._finish_frame([(s, r) for s, r in rests if r]))
             else:
                 self._send_lock.release()
             raise
@@ -79,10 +122,139 @@ class TcpEndpoint(Endpoint):
             raise
         self._send_lock.release()
 
-    async def _finish_frame(self, rest: bytes) -> None:
+    def _pump(self, d: int, lane: int = 0) -> Pump | None:
+        pump = self._pumps[d][lane]
+        if pump is None and not self._closed:
+            pump = self._pumps[d][lane] = Pump.create(self.loop)
+            if pump is None:
+                self._pump_min = 1 << 62  # no native threads here: the loop path from now on
+        return pump
+
+    def _lane_parts(self, hdr: bytes, src: np.ndarray) -> list[list[Any]]:
+        cuts = block_ranges(len(src), len(self.socks))
+        return [[hdr, src[a:b]] if i == 0 else [src[a:b]] for i, (a, b) in enumerate(cuts)]
+
+    async def _lanes_pumped(self, send: bool, heads: list[Any], bodies: list[Any],
+                            progress: list[list[int]] | None) -> bool:
+        """Move every lane's part at once by the lanes' pumps, one future for the frame (no task per lane);
+        False (nothing started) when a lane has no pump. Any end but success stops every lane and waits for all
+        of them to let go of the buffers before the error (a cancellation first) goes on."""
+        pumps = [self._pump(0 if send else 1, i) for i in range(len(self.socks))]
+        if None in pumps:
+            return False
+        loop = self.loop
+        left, res = [len(pumps)], [(0, 0)] * len(pumps)
+        waiter = [loop.create_future()]
+
+        def ended(i: int) -> Any:
+            def cb(rc: int, moved: int) -> None:
+                res[i] = (rc, moved)
+                left[0] -= 1
+                if rc and rc != PUMP_STOPPED:  # a broken lane: stop the others, the frame cannot finish
+                    for p in pumps:
+                        p.stop()
+                if not left[0] and not waiter[0].done():
+                    waiter[0].set_result(None)
+            return cb
+
+        for i, pump in enumerate(pumps):
+            if not pump.submit(self.socks[i].fileno(), send, heads[i], bodies[i], ended(i)):  # type: ignore[union-attr]
+                ended(i)(-9, 0)  # EBADF: closed (the connection was dropped)
+        try:
+            await waiter[0]
+        except asyncio.CancelledError:
+            for p in pumps:
+                p.stop()  # type: ignore[union-attr]
+            while left[0]:
+                waiter[0] = loop.create_future()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiter[0]
+            raise
+        finally:
+            if progress is not None:
+                for pr, (_, moved) in zip(progress, res, strict=True):
+                    pr[0] = moved
+        bad = [rc for rc, _ in res if rc]
+        if bad:
+            raise pump_error(next((rc for rc in bad if rc != PUMP_STOPPED), bad[0]), self.peer, send)
+        return True
+
+    async def _lanes(self, one: Any, jobs: list[Any], extra: list[Any]) -> None:
+        """Run one(lane, job, extra) on every connection at once; on any end but success, every lane has let go
+        of its buffers before the error (a cancellation first) goes on."""
+        tasks = [self.loop.create_task(one(i, j, x)) for i, (j, x) in enumerate(zip(jobs, extra, strict=True))]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            while not all(t.done() for t in tasks):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(tasks)
+            raise
+
+    async def _lane_send(self, lane: int, parts: list[Any], progress: list[int]) -> None:
+        pump = self._pump(0, lane)
+        if pump is None:
+            await send_all(self.loop, self.socks[lane], parts, self.peer, progress)
+            return
+        try:
+            rc, moved = await pump.run(self.socks[lane].fileno(), True, parts[0] if lane == 0 else None, parts[-1])
+        except asyncio.CancelledError as exc:
+            progress[0] = getattr(exc, "moved", 0)
+            raise
+        progress[0] = moved
+        if rc:
+            raise pump_error(rc, self.peer, True)
+
+    async def _lane_recv(self, lane: int, mv: memoryview, _: Any) -> None:
+        pump = self._pump(1, lane)
+        if pump is None:
+            await recv_into_exact(self.loop, self.socks[lane], mv, self.peer)
+            return
+        rc, _moved = await pump.run(self.socks[lane].fileno(), False, None, mv)
+        if rc:
+            raise pump_error(rc, self.peer, False)
+
+    async def _pump_send(self, pump: Pump, hdr: bytes, src: np.ndarray, progress: list[int]) -> None:
+        try:
+            rc, moved = await pump.run(self.sock.fileno(), True, hdr, src)
+        except asyncio.CancelledError as exc:
+            progress[0] = getattr(exc, "moved", 0)
+            raise
+        progress[0] = moved
+        if rc:
+            raise pump_error(rc, self.peer, True)
+
+    async def _recv(self, mv: memoryview) -> None:
+        """Fill mv from the socket: by the receive pump when large (split over the lanes when larger), else on the
+        loop."""
+        if len(mv) >= self._split_min:
+            cuts = block_ranges(len(mv), len(self.socks))
+            views = [mv[a:b] for a, b in cuts]
+            if not await self._lanes_pumped(False, [None] * len(cuts), views, None):
+                await self._lanes(self._lane_recv, views, [None] * len(cuts))
+        elif len(mv) >= self._pump_min and (pump := self._pump(1)) is not None:
+            rc, _ = await pump.run(self.sock.fileno(), False, None, mv)
+            if rc:
+                raise pump_error(rc, self.peer, False)
+        else:
+            await recv_into_exact(self.loop, self.sock, mv, self.peer)
+
+    def _close_pumps(self) -> None:
+        for pumps in self._pumps:
+            for pump in pumps:
+                if pump is not None:
+                    pump.close()
+
+    def _close_socks(self) -> None:
+        for s in self.socks:
+            s.close()
+
+    async def _finish_frame(self, rests: list[tuple[socket.socket, bytes]]) -> None:
         try:
             async with asyncio.timeout(min(self.timeout, 10.0)):
-                await send_all(self.loop, self.sock, [rest], self.peer)
+                await asyncio.gather(*(send_all(self.loop, s, [r], self.peer) for s, r in rests))
         except BaseException as exc:  # noqa: BLE001 - the peer did not take it in time: give the connection up
             self._drop(exc)
         finally:
@@ -92,7 +264,8 @@ class TcpEndpoint(Endpoint):
         """A frame could not be completed: the connection is unusable from here on, for every collective."""
         err = exc if isinstance(exc, PeerLostError) else PeerLostError(
             f"rank {self.matcher.me}: send to rank {self.peer} was interrupted; connection dropped", self.peer)
-        self.sock.close()
+        self._close_pumps()  # no native thread may touch the socket once it is closed
+        self._close_socks()
         self.matcher.fail_all(err)
         self.transport.ctx.on_peer_lost(self.peer, err)
 
@@ -100,6 +273,9 @@ class TcpEndpoint(Endpoint):
         return self.matcher.post(fp, tag, dst, reduce)
 
     async def _discard(self, nbytes: int) -> None:
+        if nbytes >= self._split_min:  # its parts are spread over the lanes
+            await self._recv(memoryview(np.empty(nbytes, np.uint8)))
+            return
         while nbytes > 0:
             k = min(nbytes, 1 << 20)
             await recv_into_exact(self.loop, self.sock, memoryview(self._scratch_for(k)), self.peer)
@@ -122,12 +298,12 @@ class TcpEndpoint(Endpoint):
                 if req is DROP:
                     await self._discard(nbytes)
                 elif req is not None and req.reduce is None:
-                    await recv_into_exact(loop, sock, memoryview(req.dst), peer)
+                    await self._recv(memoryview(req.dst))
                     if not req.fut.done():
                         req.fut.set_result(None)
                 elif req is not None:
                     scratch = self._scratch_for(nbytes)
-                    await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                    await self._recv(memoryview(scratch))
                     req.reduce(req.dst, scratch)
                     if not req.fut.done():
                         req.fut.set_result(None)
@@ -145,11 +321,11 @@ class TcpEndpoint(Endpoint):
                             continue
                         if req is not None:
                             scratch = self._scratch_for(nbytes)
-                            await recv_into_exact(loop, sock, memoryview(scratch), peer)
+                            await self._recv(memoryview(scratch))
                             req.deliver(scratch)
                             continue
                     data = m.alloc(nbytes)
-                    await recv_into_exact(loop, sock, memoryview(data), peer)
+                    await self._recv(memoryview(data))
                     m.land(fp, tag, data)  # its receive may have been posted while we were reading
         except asyncio.CancelledError:
             m.fail_all(PeerLostError(f"connection to rank {peer} closed locally", peer))
@@ -191,7 +367,8 @@ class TcpEndpoint(Endpoint):
         self._reader.cancel()
         with contextlib.suppress(BaseException):
             await self._reader
-        self.sock.close()
+        self._close_pumps()
+        self._close_socks()
 
 
 class TcpTransport(Transport):
@@ -204,10 +381,17 @@ class TcpTransport(Transport):
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
         self._listener = PeerListener(ctx, "data", "tcp")
+        self._lanes, self._split = lane_count(), pump_bytes()
+        if not self._split:
+            self._lanes = 1
+        self._listener.lanes = self._lanes
         self._endpoints: list[TcpEndpoint] = []
 
     async def listen(self) -> dict[str, Any]:
-        return {"host": self.ctx.bind_host, "port": self._listener.start()}
+        rec: dict[str, Any] = {"host": self.ctx.bind_host, "port": self._listener.start()}
+        if self._lanes > 1:
+            rec["lanes"], rec["split"] = self._lanes, self._split
+        return rec
 
     @property
     def refused(self) -> int:
@@ -216,23 +400,27 @@ class TcpTransport(Transport):
     def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
         return "port" in peer_record
 
-    async def _dial(self, peer: int, record: dict[str, Any]) -> socket.socket:
-        return await dial(self.ctx, peer, record, "data", "tcp")
+    async def _dial(self, peer: int, record: dict[str, Any], lane: int = 0) -> socket.socket:
+        return await dial(self.ctx, peer, record, "data", "tcp", lane)
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         me = self.ctx.rank
 
-        async def one(peer: int, record: dict[str, Any]) -> tuple[int, TcpEndpoint]:
+        async def conn(peer: int, record: dict[str, Any], lane: int) -> socket.socket:
             if peer < me:  # the higher rank dials
-                sock = await self._dial(peer, record)
-            else:
-                try:
-                    sock = await asyncio.wait_for(asyncio.shield(self._listener.incoming(peer)),
-                                                  self.ctx.settings.timeout)
-                except TimeoutError:
-                    raise CollectiveTimeout(f"rank {me}: rank {peer} never connected (TCP) within "
-                                            f"{self.ctx.settings.timeout:.0f} s") from None
-            ep = TcpEndpoint(self, peer, sock)
+                return await self._dial(peer, record, lane)
+            try:
+                return await asyncio.wait_for(asyncio.shield(self._listener.incoming(peer, lane)),
+                                              self.ctx.settings.timeout)
+            except TimeoutError:
+                raise CollectiveTimeout(f"rank {me}: rank {peer} never connected (TCP) within "
+                                        f"{self.ctx.settings.timeout:.0f} s") from None
+
+        async def one(peer: int, record: dict[str, Any]) -> tuple[int, TcpEndpoint]:
+            nlanes = min(self._lanes, int(record.get("lanes", 1)))
+            split = max(self._split, int(record.get("split", 0)))
+            socks = list(await asyncio.gather(*(conn(peer, record, lane) for lane in range(nlanes))))
+            ep = TcpEndpoint(self, peer, socks[0], socks[1:], split)
             self._endpoints.append(ep)
             return peer, ep
 
