@@ -275,6 +275,7 @@ class Communicator(Group):
         with contextlib.suppress(HetcclError):  # device work still queued ends before the connections do
             await self.drain_devices()
         self._closed = True
+        self.close_fast(children=self._fabric_owner)
         if self._parent is not None:  # a closed child is dropped: split+close in a loop must not grow
             with contextlib.suppress(ValueError):
                 self._parent._children.remove(self)
