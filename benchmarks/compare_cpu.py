@@ -47,7 +47,10 @@ import benchcommon as bc  # noqa: E402
 from cpuguard import CpuGuard  # noqa: E402
 
 BACKENDS = ("hetccl-shm", "hetccl-tcp", "gloo", "mpi-sm", "mpi-tcp")
-LABELS = {"hetccl-shm": "hetccl shm", "hetccl-tcp": "hetccl tcp", "gloo": "Gloo (tcp lo)",
+# hetccl-before: hetccl shm from another checkout (--before DIR), for before/after figures in one run
+ALL_BACKENDS = ("hetccl-before",) + BACKENDS
+LABELS = {"hetccl-before": "hetccl shm, before", "hetccl-shm": "hetccl shm", "hetccl-tcp": "hetccl tcp",
+          "gloo": "Gloo (tcp lo)",
           "mpi-sm": "Open MPI sm (vader)", "mpi-tcp": "Open MPI tcp (lo)"}
 DEFAULT_OPS = "all_reduce,all_gather,broadcast,reduce_scatter,all_to_all"
 # figures of shared/anchors/results-2026-11-29.md (same machine type, 3 runs, anchors' own scripts)
@@ -79,6 +82,14 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
               "--budget", str(a.budget)]
     out = []
     if be.startswith("hetccl"):
+        if be == "hetccl-before":
+            # the other checkout's hetccl: its folder first on the path and as the working directory (the
+            # ranks that `hetccl bench` starts run `python -m hetccl` there too)
+            env["PYTHONPATH"] = a.before + os.pathsep + env.get("PYTHONPATH", "")
+            py_ = [py, "-c", "import os, runpy, sys; os.chdir(%r); sys.path.insert(0, %r); "
+                   "runpy.run_module('hetccl', run_name='__main__', alter_sys=True)" % (a.before, a.before)]
+        else:
+            py_ = [py, "-m", "hetccl"]
         if be == "hetccl-tcp":
             env["HETCCL_TRANSPORTS"] = "tcp"
         # all_reduce: hetccl bench times both variants, the in-place one is compared. The other ops are
@@ -90,7 +101,7 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
         for i, (g, extra) in enumerate(groups):
             jp = "%s.%d.json" % (json_base, i)
             out.append(("%s np%d %s" % (be, np_, ",".join(g)),
-                        [py, "-m", "hetccl", "bench", "--nprocs", str(np_), *common, "--ops", ",".join(g),
+                        [*py_, "bench", "--nprocs", str(np_), *common, "--ops", ",".join(g),
                          *extra, "--json", jp], env, jp))
         return out
     jp = json_base + ".json"
@@ -416,7 +427,7 @@ def write_report(path, a, info, agg, nps, ops, sizes, stats, metas, t_start, t_e
 
     # full tables
     w("## Results per op and np: time (us) / busbw (GB/s)\n")
-    cols = [b for b in BACKENDS if b in a.backends]
+    cols = [b for b in ALL_BACKENDS if b in a.backends]
     for op in ops:
         for np_ in nps:
             if not any((b, np_, op, s) in agg for b in cols for s in sizes):
@@ -498,6 +509,9 @@ def parse_args(argv):
                     help="seconds spent re-measuring in the whole run at most (default 180)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark job (default 900)")
     ap.add_argument("--python", default=sys.executable, help="python with hetccl, torch, numpy, mpi4py")
+    ap.add_argument("--before", default="", metavar="DIR",
+                    help="also run backend hetccl-before: hetccl shm from the checkout DIR (before/after figures "
+                         "in one run; its native extension must be built)")
     ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
     a = ap.parse_args(argv)
     a.argv_echo = argv
@@ -509,9 +523,14 @@ def parse_args(argv):
     for o in a.ops_list:
         if o not in bc.OPS:
             ap.error("unknown op %r; choose from %s" % (o, ",".join(bc.OPS)))
+    if a.before:
+        a.before = os.path.abspath(a.before)
+        if "hetccl-before" not in a.backends:
+            a.backends.insert(0, "hetccl-before")
     for b in a.backends:
-        if b not in BACKENDS:
-            ap.error("unknown backend %r; choose from %s" % (b, ",".join(BACKENDS)))
+        if b not in ALL_BACKENDS or (b == "hetccl-before" and not a.before):
+            ap.error("unknown backend %r; choose from %s (hetccl-before needs --before DIR)"
+                     % (b, ",".join(BACKENDS)))
     return a
 
 
