@@ -87,7 +87,7 @@ class FastPath:
         self.k = 0  # the next fast operation's number
         self.tail: asyncio.Future[None] | None = None  # completion of the last operation that went async
         self.ready = False
-        self.broken: BaseException | None = None
+        self.closed = False
         try:
             ncpu = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - not Linux
@@ -127,12 +127,14 @@ class FastPath:
         asyncio.get_running_loop().add_reader(sock.fileno(), self._on_bell)
 
     async def _setup(self) -> None:
-        self._create()
+        """Idempotent: a set-up cut short (a timeout) goes on where it stopped at the next fast operation."""
+        if self.own is None:
+            self._create()
         size = lib.hccl_fast_seg_size(self.limit)
         prefix = self.own_name.rsplit("-", 1)[0]
         members = self.group.members
         for r in range(self.n):
-            if r == self.me:
+            if r == self.me or self.segs[r] is not None:
                 continue
             name = f"{prefix}-{members[r]}"
             while True:
@@ -164,7 +166,7 @@ class FastPath:
             Segment.unlink(self.own_name)
             self._unlinked = True
         self.ready = False
-        self.broken = self.broken or HetcclError("communicator is closed")
+        self.closed = True
 
     # ---- waking ---------------------------------------------------------------------------------------
     def _on_bell(self) -> None:
@@ -196,9 +198,8 @@ class FastPath:
         poisoned = fab.poisoned.get(self.comm_id)
         if poisoned is not None:
             raise poisoned
-        if self.broken is not None:
-            raise HetcclError(f"the fast path of communicator {self.comm_id:#x} failed earlier ({self.broken}); "
-                              "create a new communicator")
+        if self.closed:
+            raise HetcclError("communicator is closed; create a new one with hetccl.init()")
 
     def _mismatch(self, fp: Fingerprint, k: int, r: int) -> BaseException:
         seg = self.segs_c[r]
@@ -225,7 +226,7 @@ class FastPath:
         self.k = k + 1
         prev = self.tail
         fab = self.fabric
-        if self.ready and (prev is None or prev.done()) and self.broken is None and not fab.poisoned \
+        if self.ready and (prev is None or prev.done()) and not fab.poisoned \
                 and not fab.departed:
             self._post(fp, k, src, nbytes)
             if lib.hccl_fast_wait(self.segs_c, self.n, self.me, k, self.fpw, self.spin_ns, self.yield_ns) == -1:
@@ -249,9 +250,6 @@ class FastPath:
                     await self._setup()
                 self._post(fp, k, src, nbytes)
             await self._wait(fp, k)
-        except BaseException as exc:
-            self.broken = self.broken or exc
-            raise
         finally:
             if mine is not None and not mine.done():
                 mine.set_result(None)
