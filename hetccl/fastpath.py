@@ -49,7 +49,7 @@ _from_buffer = ffi.from_buffer
 _CHARS = "char[]"
 DATA_OFF = 4096  # the data of a slot, after its header page
 SAFETY_S = 0.02  # a sleeping waiter looks at lost peers and poisoned communicators at least this often
-NOT_STARTED, DONE, POSTED = 0, 1, 2  # what FastPath.now did
+NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
 
 
 def limit_for(group: Any) -> int:
@@ -96,8 +96,6 @@ class FastPath:
         machine = fab.topology.machine_ranks(fab.rank)
         # the shm transport's policy: with more ranks than cores on the machine, spin little and yield
         self.spin_ns, self.yield_ns = (2_000, 100_000) if len(machine) > ncpu else (30_000, 20_000)
-        self.fpw = ffi.new("uint64_t[4]")
-        self.annw = ffi.new("uint64_t[4]")
         self.segs_c = ffi.new("char *[]", self.n)
         self.segs: list[Segment | None] = [None] * self.n
         self.own_name = f"hetccl-{fab.job}-fast-{self.comm_id:x}-{fab.rank}"
@@ -211,35 +209,38 @@ class FastPath:
 
     # ---- one operation ----------------------------------------------------------------------------------
     def _post(self, fp: Fingerprint, k: int, src: Any, nbytes: int) -> None:
-        w = self.fpw
-        w[0], w[1], w[2], w[3] = _words(fp)
-        mask = lib.hccl_fast_post(self.segs_c, self.n, self.me, k, w,
+        mask = lib.hccl_fast_post(self.segs_c, self.n, self.me, k, *_words(fp),
                                   _from_buffer(_CHARS, src) if nbytes else ffi.NULL, nbytes)
         if mask:
             self._ring(mask)
 
-    def now(self, fp: Fingerprint, src: Any, nbytes: int) -> tuple[int, int, Any, Any]:
-        """Start operation fp synchronously (called right after the group numbered it). (DONE, k, ...) when
-        every rank published it with the same fingerprint within the spin: combine, and that is all.
-        Otherwise (POSTED or NOT_STARTED, k, prev, mine): the caller runs `finish` under the scheduler."""
+    def now(self, fp: Fingerprint, src: Any, nbytes: int) -> Any:
+        """Start operation fp synchronously (called right after the group numbered it). Returns its number k
+        when every rank published it with the same fingerprint within the spin: combine, and that is all.
+        Otherwise a tuple (POSTED or NOT_STARTED, k, prev, mine) for `finish`, which the caller runs under the
+        scheduler."""
         k = self.k
         self.k = k + 1
         prev = self.tail
         fab = self.fabric
-        if self.ready and (prev is None or prev.done()) and not fab.poisoned \
-                and not fab.departed:
-            self._post(fp, k, src, nbytes)
-            if lib.hccl_fast_wait(self.segs_c, self.n, self.me, k, self.fpw, self.spin_ns, self.yield_ns) == -1:
-                return DONE, k, None, None
+        if self.ready and (prev is None or prev.done()) and not fab.poisoned and not fab.departed:
+            segs = self.segs_c
+            mask = lib.hccl_fast_post(segs, self.n, self.me, k, fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16),
+                                      fp.count, fp.root & 0xFFFFFFFFFFFFFFFF,
+                                      _from_buffer(_CHARS, src) if nbytes else ffi.NULL, nbytes)
+            if mask:
+                self._ring(mask)
+            if lib.hccl_fast_wait(segs, self.n, self.me, k, self.spin_ns, self.yield_ns) == -1:
+                return k
             state = POSTED
         else:
             state = NOT_STARTED
         mine = self.tail = asyncio.get_running_loop().create_future()
         return state, k, prev, mine
 
-    async def finish(self, fp: Fingerprint, src: Any, nbytes: int, started: tuple[int, int, Any, Any]) -> None:
+    async def finish(self, fp: Fingerprint, src: Any, nbytes: int, started: tuple[int, int, Any, Any]) -> int:
         """The rest of an operation `now` did not end: wait for the fast operations before it, set up (the
-        first one), post, wait for every rank."""
+        first one), post, wait for every rank. Returns the operation's number."""
         state, k, prev, mine = started
         try:
             if state == NOT_STARTED:
@@ -253,25 +254,24 @@ class FastPath:
         finally:
             if mine is not None and not mine.done():
                 mine.set_result(None)
+        return k
 
     async def _wait(self, fp: Fingerprint, k: int) -> None:
         segs, n, me = self.segs_c, self.n, self.me
-        w = ffi.new("uint64_t[4]")  # its own: fpw serves other operations while this one sleeps
-        w[0], w[1], w[2], w[3] = _words(fp)
         loop = asyncio.get_running_loop()
         waiting = lib.hccl_fast_word(segs[me], 1)
-        r = lib.hccl_fast_wait(segs, n, me, k, w, self.spin_ns, self.yield_ns)
+        r = lib.hccl_fast_wait(segs, n, me, k, self.spin_ns, self.yield_ns)
         while r != -1:
             if r >= 0:
                 raise self._mismatch(fp, k, r)
             self._check_peers()
             await asyncio.sleep(0)  # let the loop run (other collectives, doorbells) before sleeping
-            r = lib.hccl_fast_wait(segs, n, me, k, w, 0, 0)
+            r = lib.hccl_fast_wait(segs, n, me, k, 0, 0)
             if r != -2:
                 continue
             lib.hccl_store_release(waiting, 1)
             lib.hccl_fetch_add(waiting, 0)  # full fence before the re-check (pairs with hccl_fast_post)
-            r = lib.hccl_fast_wait(segs, n, me, k, w, 0, 0)
+            r = lib.hccl_fast_wait(segs, n, me, k, 0, 0)
             if r == -2:
                 fut = self._wake = loop.create_future()
                 handle = loop.call_later(SAFETY_S, lambda f=fut: f.done() or f.set_result(None))
@@ -281,7 +281,7 @@ class FastPath:
                     handle.cancel()
                     self._wake = None
                     lib.hccl_store_release(waiting, 0)
-                r = lib.hccl_fast_wait(segs, n, me, k, w, self.spin_ns, 0)
+                r = lib.hccl_fast_wait(segs, n, me, k, self.spin_ns, 0)
             else:
                 lib.hccl_store_release(waiting, 0)
 
@@ -299,6 +299,4 @@ class FastPath:
 
     def announce(self, fp: Fingerprint) -> None:
         """This rank runs collective fp off the fast path: a peer waiting at that number must see it."""
-        w = self.annw
-        w[0], w[1], w[2], w[3] = _words(fp)
-        lib.hccl_fast_announce(self.segs_c[self.me], w)
+        lib.hccl_fast_announce(self.segs_c[self.me], *_words(fp))

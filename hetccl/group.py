@@ -192,14 +192,11 @@ class Group:
             self._fast.announce(fp)
         return fp
 
-    async def _fast_run(self, fp: Fingerprint, src: Any, nbytes: int) -> int:
-        """Post this rank's part of fast operation fp and wait for every rank's; returns the operation's number
-        (the caller combines the slots)."""
+    async def _fast_finish(self, fp: Fingerprint, src: Any, nbytes: int, started: Any) -> int:
+        """The rest of a fast operation that FastPath.now did not end, under the scheduler (deadline, failures);
+        returns its number (the caller combines the slots)."""
         fast = self._fast
-        started = fast.now(fp, src, nbytes)  # type: ignore[union-attr]
-        if started[0] != fastpath.DONE:
-            await run_collective(self, fp, lambda: fast.finish(fp, src, nbytes, started))  # type: ignore[union-attr]
-        return started[1]
+        return await run_collective(self, fp, lambda: fast.finish(fp, src, nbytes, started))  # type: ignore[union-attr]
 
     def _algo(self, op: str, nbytes: int) -> str:
         algo = self._algo_cache.get((op, nbytes))
@@ -219,7 +216,10 @@ class Group:
         fast = self._fast
         if fast is not None and b.nbytes <= fast.limit:
             fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
-            fast.reduce(await self._fast_run(fp, b.data, b.nbytes), b.data, 0, b.count, b.dtype, op)
+            k = fast.now(fp, b.data, b.nbytes)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, b.data, b.nbytes, k)
+            fast.reduce(k, b.data, 0, b.count, b.dtype, op)
             return
         fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op)
         ctx = CollCtx(self, fp, b.dtype, op)
@@ -232,8 +232,10 @@ class Group:
         fast = self._fast
         if fast is not None and i.nbytes <= fast.limit:
             fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count, fast=True)
-            k = await self._fast_run(fp, i.data, i.nbytes)
             nb = i.nbytes
+            k = fast.now(fp, i.data, nb)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, i.data, nb, k)
             for r in range(self.size):
                 fast.copy_from(k, r, o.data[r * nb:(r + 1) * nb], nb)
             return
@@ -252,7 +254,9 @@ class Group:
         fast = self._fast
         if fast is not None and i.nbytes <= fast.limit:
             fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op, True)
-            k = await self._fast_run(fp, i.data, i.nbytes)
+            k = fast.now(fp, i.data, i.nbytes)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, i.data, i.nbytes, k)
             fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op)
             return
         fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
@@ -275,7 +279,10 @@ class Group:
         if fast is not None and b.nbytes <= fast.limit:
             fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root, fast=True)
             mine = self.rank == root
-            k = await self._fast_run(fp, b.data, b.nbytes if mine else 0)
+            nb = b.nbytes if mine else 0
+            k = fast.now(fp, b.data, nb)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, b.data, nb, k)
             if not mine:
                 fast.copy_from(k, root, b.data, b.nbytes)
             return
@@ -325,8 +332,12 @@ class Group:
         await run_collective(self, fp, lambda: direct.scatter(ctx, o, i, root))
 
     async def flat_barrier(self) -> None:
-        if self._fast is not None:
-            await self._fast_run(self.next_fingerprint(CollOp.BARRIER, None, 0, fast=True), None, 0)
+        fast = self._fast
+        if fast is not None:
+            fp = self.next_fingerprint(CollOp.BARRIER, None, 0, fast=True)
+            k = fast.now(fp, None, 0)
+            if type(k) is tuple:
+                await self._fast_finish(fp, None, 0, k)
             return
         fp = self.next_fingerprint(CollOp.BARRIER, None, 0)
         ctx = CollCtx(self, fp, DType.UINT8, None)

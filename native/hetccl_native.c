@@ -824,15 +824,15 @@ uint64_t *hccl_fast_announce_entry(char *seg, uint64_t seq)
     return (uint64_t *)(seg + HCCL_FAST_ANN_OFF + (seq % HCCL_FAST_ANN_N) * 32);
 }
 
-uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, const uint64_t *fp, const void *src,
-                        size_t nbytes)
+uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3,
+                        const void *src, size_t nbytes)
 {
     char *slot = hccl_fast_slot(segs[me], k);
     uint64_t *h = (uint64_t *)slot;
-    h[0] = fp[0];
-    h[1] = fp[1];
-    h[2] = fp[2];
-    h[3] = fp[3];
+    h[0] = w0;
+    h[1] = w1;
+    h[2] = w2;
+    h[3] = w3;
     if (nbytes)
         memcpy(slot + HCCL_FAST_DATA_OFF, src, nbytes);
     __atomic_store_n(hccl_fast_word(segs[me], 2), k + 1, __ATOMIC_RELEASE);
@@ -872,9 +872,9 @@ HCCL_INLINE int hccl_fast_check(char **segs, int n, int me, uint64_t k, const ui
     return missing ? -2 : -1;
 }
 
-int hccl_fast_wait(char **segs, int n, int me, uint64_t k, const uint64_t *fp, uint64_t spin_ns,
-                   uint64_t yield_ns)
+int hccl_fast_wait(char **segs, int n, int me, uint64_t k, uint64_t spin_ns, uint64_t yield_ns)
 {
+    const uint64_t *fp = (const uint64_t *)hccl_fast_slot(segs[me], k);
     int r = hccl_fast_check(segs, n, me, k, fp);
     if (r != -2 || (spin_ns == 0 && yield_ns == 0))
         return r;
@@ -900,13 +900,13 @@ int hccl_fast_wait(char **segs, int n, int me, uint64_t k, const uint64_t *fp, u
     return hccl_fast_check(segs, n, me, k, fp);
 }
 
-void hccl_fast_announce(char *seg, const uint64_t *fp)
+void hccl_fast_announce(char *seg, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3)
 {
-    uint64_t *a = hccl_fast_announce_entry(seg, fp[0]);
-    a[1] = fp[1];
-    a[2] = fp[2];
-    a[3] = fp[3];
-    __atomic_store_n(&a[0], fp[0] + 1, __ATOMIC_RELEASE);
+    uint64_t *a = hccl_fast_announce_entry(seg, w0);
+    a[1] = w1;
+    a[2] = w2;
+    a[3] = w3;
+    __atomic_store_n(&a[0], w0 + 1, __ATOMIC_RELEASE);
 }
 
 int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, size_t count, int dtype, int op)

@@ -82,17 +82,18 @@ uint64_t *hccl_fast_word(char *seg, int which);
 char *hccl_fast_slot(char *seg, uint64_t k);
 /* the slot's header (4 words), data at + 4096 */
 uint64_t *hccl_fast_announce_entry(char *seg, uint64_t seq);
-/* Publish operation k of rank `me` (nbytes of src, may be 0). Returns a bit mask of the peers (ranks < 64)
- * whose waiting flag is up (they sleep and need a wake-up), all bits when n > 64 and any is up. */
-uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, const uint64_t *fp, const void *src,
-                        size_t nbytes);
+/* Publish operation k of rank `me` with fingerprint (w0, w1, w2, w3) (nbytes of src, may be 0). Returns a bit
+ * mask of the peers (ranks < 64) whose waiting flag is up (they sleep and need a wake-up), all bits when
+ * n > 64 and any is up. */
+uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3,
+                        const void *src, size_t nbytes);
 /* Wait (spin up to spin_ns, then sched_yield up to yield_ns) until every rank published operation k with
- * the fingerprint fp. Returns -1 when all did; -2 when the time ran out; r >= 0 when rank r published a
- * different fingerprint at k or announced another collective at fp[0]. */
-int hccl_fast_wait(char **segs, int n, int me, uint64_t k, const uint64_t *fp, uint64_t spin_ns,
-                   uint64_t yield_ns);
-/* Record that this rank runs the collective numbered seq off the fast path (fp as for hccl_fast_post). */
-void hccl_fast_announce(char *seg, const uint64_t *fp);
+ * the fingerprint of this rank's (which must be published). Returns -1 when all did; -2 when the time ran
+ * out; r >= 0 when rank r published a different fingerprint at k or announced another collective at that
+ * sequence number. */
+int hccl_fast_wait(char **segs, int n, int me, uint64_t k, uint64_t spin_ns, uint64_t yield_ns);
+/* Record that this rank runs the collective numbered w0 off the fast path (words as for hccl_fast_post). */
+void hccl_fast_announce(char *seg, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3);
 /* dst = the reduction, in rank order, of the n ranks' data of operation k (count elements from byte
  * `offset` of each slot). Returns 0, or -1 for an unknown dtype/op. */
 int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, size_t count, int dtype, int op);
