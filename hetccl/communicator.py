@@ -80,6 +80,13 @@ class Communicator(Group):
     # ---- collectives ---------------------------------------------------------------------------------
     async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """In place: every rank ends with the reduction of all ranks' `buf`."""
+        fast = self._fast
+        if fast is not None and type(buf) is np.ndarray:  # small host collectives: checks and all in one call
+            done = fast.try_all_reduce(self, buf, op)
+            if done is True:
+                return
+            if done is not False:
+                return await done
         b, rop = _mem(buf, "buf"), parse_op(op)
         if self._islands > 1:
             return await self._across("all_reduce", b, rop)

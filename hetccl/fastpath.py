@@ -38,17 +38,21 @@ from typing import Any
 import numpy as np
 
 from . import native, params
-from .dtypes import DType, ReduceOp
+from .dtypes import _FAST as _NP_DTYPES
+from .dtypes import DType, ReduceOp, parse_op
 from .errors import HetcclError, TransportError
 from .shmseg import Segment
 from .transports.base import mismatch_error
-from .wire import Fingerprint
+from .wire import CollOp, Fingerprint
 
 ffi, lib = native.ffi, native.lib
 _from_buffer = ffi.from_buffer
 _CHARS = "char[]"
 DATA_OFF = 4096  # the data of a slot, after its header page
 SAFETY_S = 0.02  # a sleeping waiter looks at lost peers and poisoned communicators at least this often
+_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "avg": ReduceOp.AVG}
+_ALL_REDUCE = int(CollOp.ALL_REDUCE)
+_M64 = 0xFFFFFFFFFFFFFFFF
 NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
 
 
@@ -237,6 +241,52 @@ class FastPath:
             state = NOT_STARTED
         mine = self.tail = asyncio.get_running_loop().create_future()
         return state, k, prev, mine
+
+    def try_all_reduce(self, group: Any, arr: Any, op: Any) -> Any:
+        """The facade's shortcut for an all_reduce of a plain numpy array (the torch backend's and most
+        callers'): every check and the whole operation in one call, without the Buf and the fingerprint the
+        general route builds. False: not for this path (nothing was taken; go the general route). True: done.
+        Otherwise an awaitable that ends it (the peers were not all there within the spin)."""
+        dt = _NP_DTYPES.get(arr.dtype)
+        nbytes = arr.nbytes
+        if dt is None or nbytes > self.limit or not nbytes:
+            return False
+        flags = arr.flags
+        if not flags.c_contiguous or not flags.writeable:
+            return False
+        rop = _OPS.get(op) if type(op) is str else op
+        if type(rop) is not ReduceOp:
+            rop = parse_op(op)
+        prev = self.tail
+        fab = self.fabric
+        if not self.ready or (prev is not None and not prev.done()) or fab.poisoned or fab.departed \
+                or group._closed or group._aborted is not None:
+            return False
+        seq = group._seq
+        group._seq = (seq + 1) & 0xFFFFFFFF
+        k = self.k
+        self.k = k + 1
+        count = arr.size
+        segs = self.segs_c
+        ptr = _from_buffer(_CHARS, arr, True)
+        mask = lib.hccl_fast_post(segs, self.n, self.me, k, seq, _ALL_REDUCE | (dt << 8) | (rop << 16), count, _M64,
+                                  ptr, nbytes)
+        if mask:
+            self._ring(mask)
+        if lib.hccl_fast_wait(segs, self.n, self.me, k, self.spin_ns, self.yield_ns) == -1:
+            if lib.hccl_fast_reduce(ptr, segs, self.n, k, 0, count, dt, 0 if rop == ReduceOp.AVG else rop):
+                raise HetcclError(f"native reduce refused dtype {dt!r} op {rop!r}")
+            if rop == ReduceOp.AVG:
+                native.divide(arr.reshape(-1).view(np.uint8), dt, self.n)
+            return True
+        fp = Fingerprint(self.comm_id, seq, _ALL_REDUCE, int(dt), count, -1, int(rop))
+        mine = self.tail = asyncio.get_running_loop().create_future()
+        return self._all_reduce_rest(group, fp, arr, (POSTED, k, prev, mine))
+
+    async def _all_reduce_rest(self, group: Any, fp: Fingerprint, arr: Any, started: Any) -> None:
+        data = arr.reshape(-1).view(np.uint8)
+        k = await group._fast_finish(fp, data, fp.count * arr.itemsize, started)
+        self.reduce(k, data, 0, fp.count, DType(fp.dtype), ReduceOp(fp.redop))
 
     async def finish(self, fp: Fingerprint, src: Any, nbytes: int, started: tuple[int, int, Any, Any]) -> int:
         """The rest of an operation `now` did not end: wait for the fast operations before it, set up (the
