@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 from typing import Any
 
@@ -92,14 +91,13 @@ class FastPath:
         self.tail: asyncio.Future[None] | None = None  # completion of the last operation that went async
         self.ready = False
         self.closed = False
-        try:
-            ncpu = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            ncpu = os.cpu_count() or 1
+        # spin 2 us, then poll between sched_yield calls for 100 us before sleeping: on a machine whose cores
+        # are shared (with other jobs, or more ranks than cores) a rank that spins on takes the core its peer
+        # needs, and a sleeper pays a scheduler wake-up. Measured on 2 shared cores (4 KiB all_reduce, np 2,
+        # benchmarks/results/host-latency-2026-12-01.md): 30 us spin + 20 us yield gave 115-130 us under load,
+        # this 29-45 us, and the same 7-9 us on a quiet machine.
+        self.spin_ns, self.yield_ns = 2_000, 100_000
         fab = self.fabric
-        machine = fab.topology.machine_ranks(fab.rank)
-        # the shm transport's policy: with more ranks than cores on the machine, spin little and yield
-        self.spin_ns, self.yield_ns = (2_000, 100_000) if len(machine) > ncpu else (30_000, 20_000)
         self.segs_c = ffi.new("char *[]", self.n)
         self.segs: list[Segment | None] = [None] * self.n
         self.own_name = f"hetccl-{fab.job}-fast-{self.comm_id:x}-{fab.rank}"
