@@ -253,6 +253,7 @@ class Communicator(Group):
             while not task.done() and len(fab.lost) == known and loop.time() < deadline:
                 await asyncio.wait([task], timeout=0.05)
             probe._closed = True
+            probe.close_fast()  # its fast-path segment (a set-up cut short leaves it in /dev/shm otherwise)
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
