@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import glob
+import os
+import subprocess
+import sys
 
 import pytest
-from rankrun import assert_victim_named, finish, run_ranks, spawn_ranks
+from rankrun import HERE, ROOT, assert_victim_named, finish, run_ranks, spawn_ranks
 
 FAST = {"HETCCL_SHM_FASTPATH_BYTES": "4096", "HETCCL_TIMEOUT": "20"}
 
@@ -56,3 +59,15 @@ def test_off_when_zero() -> None:
 def test_not_over_tcp() -> None:
     proc = run_ranks(2, "fastpath_workers:fast_off", env={"HETCCL_TRANSPORTS": "tcp"})
     assert proc.stdout.count("off ok") == 2, proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_torch_backend_under_torchrun() -> None:
+    """The "hetccl" torch.distributed backend under torchrun: small CPU collectives take the fast path."""
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "torch_fastpath.py")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               HETCCL_TIMEOUT="60")
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0 and proc.stdout.count("torch fast ok") == 2, proc.stdout + proc.stderr[-6000:]
