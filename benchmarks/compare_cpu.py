@@ -7,8 +7,9 @@ Backends (all float32 CPU buffers, all ranks on this host):
   gloo        torch.distributed Gloo over 127.0.0.1        (benchmarks/anchor_gloo.py)
   mpi-sm      Open MPI, pml ob1, btl vader,self (shm)       (benchmarks/anchor_mpi.py under mpirun)
   mpi-tcp     Open MPI, pml ob1, btl tcp,self on lo         (benchmarks/anchor_mpi.py under mpirun)
-  hetccl-tcp-before  hetccl-tcp run from another checkout (--before DIR, e.g. `git worktree add DIR <base>`
-              with its native library built): a before/after comparison in the same run
+  hetccl-shm-before, hetccl-tcp-before
+              hetccl-shm / hetccl-tcp run from another checkout (--before DIR, e.g. `git worktree add DIR
+              <base>` with its native library built): a before/after comparison in the same run
 
 Every backend is timed by the same method (hetccl bench's, see benchmarks/benchcommon.py): barrier, then the
 collective; time = median over iterations of the slowest rank; nccl-tests sizes and busbw factors; the first
@@ -48,8 +49,10 @@ sys.path.insert(0, HERE)
 import benchcommon as bc  # noqa: E402
 from cpuguard import CpuGuard  # noqa: E402
 
-BACKENDS = ("hetccl-shm", "hetccl-tcp-before", "hetccl-tcp", "gloo", "mpi-sm", "mpi-tcp")
+BACKENDS = ("hetccl-shm-before", "hetccl-shm", "hetccl-tcp-before", "hetccl-tcp", "gloo", "mpi-sm", "mpi-tcp")
+BEFORE = ("hetccl-shm-before", "hetccl-tcp-before")
 LABELS = {"hetccl-shm": "hetccl shm", "hetccl-tcp": "hetccl tcp", "hetccl-tcp-before": "hetccl tcp (before)",
+          "hetccl-shm-before": "hetccl shm (before)",
           "gloo": "Gloo (tcp lo)",
           "mpi-sm": "Open MPI sm (vader)", "mpi-tcp": "Open MPI tcp (lo)"}
 DEFAULT_OPS = "all_reduce,all_gather,broadcast,reduce_scatter,all_to_all"
@@ -79,7 +82,7 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
     env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     cwd = REPO
-    if be == "hetccl-tcp-before":  # `python -m` imports hetccl from the working directory first
+    if be in BEFORE:  # `python -m` imports hetccl from the working directory first
         cwd = env["PYTHONPATH"] = os.path.abspath(a.before)
     common = ["-b", str(minb), "-e", str(maxb), "-f", "4", "-n", str(a.iters), "-w", str(a.warmup),
               "--budget", str(a.budget)]
@@ -397,7 +400,8 @@ def write_report(path, a, info, agg, nps, ops, sizes, stats, metas, t_start, t_e
         return "—" if v is None or np_h != 2 else ("%.2f GB/s" % v if what.startswith("busbw") else "%.1f us" % v)
 
     refkey_bw = "busbw64M" if big == 64 << 20 else "-"
-    for hb, ab in (("hetccl-shm", "mpi-sm"), ("hetccl-tcp", "gloo"), ("hetccl-tcp-before", "gloo"),
+    for hb, ab in (("hetccl-shm", "mpi-sm"), ("hetccl-shm-before", "mpi-sm"), ("hetccl-shm", "hetccl-shm-before"),
+                   ("hetccl-tcp", "gloo"), ("hetccl-tcp-before", "gloo"),
                    ("hetccl-tcp", "hetccl-tcp-before"), ("hetccl-tcp", "mpi-tcp")):
         x, y = g(hb, "all_reduce", big, "busbw"), g(ab, "all_reduce", big, "busbw")
         w("| %s busbw: %s vs %s | %s | %s | %s | %s |" % (
@@ -485,9 +489,9 @@ def parse_args(argv):
     ap.add_argument("--min-bytes", default="4K")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--ops", default=DEFAULT_OPS, help="comma list (default %s)" % DEFAULT_OPS)
-    default_backends = ",".join(b for b in BACKENDS if b != "hetccl-tcp-before")
+    default_backends = ",".join(b for b in BACKENDS if b not in BEFORE)
     ap.add_argument("--backends", default=default_backends,
-                    help="comma list (default all but hetccl-tcp-before: %s)" % default_backends)
+                    help="comma list (default all but the *-before ones: %s)" % default_backends)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 rep, np 2, up to 1M")
     ap.add_argument("--out", default="", help="report path (default benchmarks/results/cpu-<date>.md; "
                                               "with --quick benchmarks/results/raw/cpu-<date>-quick.md)")
@@ -508,7 +512,8 @@ def parse_args(argv):
                     help="seconds spent re-measuring in the whole run at most (default 180)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark job (default 900)")
     ap.add_argument("--python", default=sys.executable, help="python with hetccl, torch, numpy, mpi4py")
-    ap.add_argument("--before", default="", help="checkout that the hetccl-tcp-before backend runs")
+    ap.add_argument("--before", default="", metavar="DIR",
+                    help="checkout that the *-before backends run (its native extension built)")
     ap.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
     a = ap.parse_args(argv)
     a.argv_echo = argv
@@ -523,8 +528,8 @@ def parse_args(argv):
     for b in a.backends:
         if b not in BACKENDS:
             ap.error("unknown backend %r; choose from %s" % (b, ",".join(BACKENDS)))
-    if "hetccl-tcp-before" in a.backends and not os.path.isdir(os.path.join(a.before, "hetccl")):
-        ap.error("backend hetccl-tcp-before needs --before DIR, a checkout with hetccl/ in it")
+    if set(BEFORE) & set(a.backends) and not os.path.isdir(os.path.join(a.before, "hetccl")):
+        ap.error("backends %s need --before DIR, a checkout with hetccl/ in it" % ",".join(BEFORE))
     return a
 
 

@@ -80,6 +80,13 @@ class Communicator(Group):
     # ---- collectives ---------------------------------------------------------------------------------
     async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """In place: every rank ends with the reduction of all ranks' `buf`."""
+        fast = self._fast
+        if fast is not None and type(buf) is np.ndarray:  # small host collectives: checks and all in one call
+            done = fast.try_all_reduce(self, buf, op)
+            if done is True:
+                return
+            if done is not False:
+                return await done
         b, rop = _mem(buf, "buf"), parse_op(op)
         if self._islands > 1:
             return await self._across("all_reduce", b, rop)
@@ -246,6 +253,7 @@ class Communicator(Group):
             while not task.done() and len(fab.lost) == known and loop.time() < deadline:
                 await asyncio.wait([task], timeout=0.05)
             probe._closed = True
+            probe.close_fast()  # its fast-path segment (a set-up cut short leaves it in /dev/shm otherwise)
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -275,6 +283,7 @@ class Communicator(Group):
         with contextlib.suppress(HetcclError):  # device work still queued ends before the connections do
             await self.drain_devices()
         self._closed = True
+        self.close_fast(children=self._fabric_owner)
         if self._parent is not None:  # a closed child is dropped: split+close in a loop must not grow
             with contextlib.suppress(ValueError):
                 self._parent._children.remove(self)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import algorithms, hangreport
+from . import algorithms, fastpath, hangreport
 from .algorithms import direct, latency, ring, staged_ring
 from .bootstrap import Fabric
 from .config import Settings
@@ -119,6 +119,8 @@ class Group:
         self._watchdog = Watchdog()
         self._labels = [fabric.records[g].get("island", "cpu") if fabric.records else "cpu" for g in members]
         self._islands = len(set(self._labels))
+        lim = fastpath.limit_for(self)
+        self._fast = fastpath.FastPath(self, lim) if lim else None  # small host collectives (fastpath.py)
         self.island_layout: Any = None  # hierarchical.Layout, built when a group of several islands is made
         self.issue_order = IssueOrder()  # turns of the hierarchical collectives (ordering.py says why)
         self._vendors: dispatch.IslandVendors | None = None  # one GPU island: its vendor communicators
@@ -179,13 +181,23 @@ class Group:
             raise self._aborted
 
     def next_fingerprint(self, op: int, dtype: DType | None, count: int, root: int = -1,
-                         redop: ReduceOp | None = None) -> Fingerprint:
-        """Take this group's next sequence number for a collective of op code `op` (a wire.CollOp)."""
+                         redop: ReduceOp | None = None, fast: bool = False) -> Fingerprint:
+        """Take this group's next sequence number for a collective of op code `op` (a wire.CollOp); `fast`:
+        it runs on the fast path (others are announced there, so a peer waiting at that number sees them)."""
         self._check_open()
         seq = self._seq
         self._seq = (seq + 1) & 0xFFFFFFFF
-        return Fingerprint(self.comm_id, seq, op, NO_DTYPE if dtype is None else int(dtype), count, root,
-                           NO_OP if redop is None else int(redop))
+        fp = Fingerprint(self.comm_id, seq, op, NO_DTYPE if dtype is None else int(dtype), count, root,
+                         NO_OP if redop is None else int(redop))
+        if not fast and self._fast is not None and self._fast.ready:
+            self._fast.announce(fp)
+        return fp
+
+    async def _fast_finish(self, fp: Fingerprint, src: Any, nbytes: int, started: Any) -> int:
+        """The rest of a fast operation that FastPath.now did not end, under the scheduler (deadline, failures);
+        returns its number (the caller combines the slots)."""
+        fast = self._fast
+        return await run_collective(self, fp, lambda: fast.finish(fp, src, nbytes, started))  # type: ignore[union-attr]
 
     def _algo(self, op: str, nbytes: int) -> str:
         algo = self._algo_cache.get((op, nbytes))
@@ -202,6 +214,14 @@ class Group:
             if self._islands > 1:
                 return await self._staged("all_reduce", [b], [0], op=op)
             return await self._vendor_run("all_reduce", [b], op=op)
+        fast = self._fast
+        if fast is not None and b.nbytes <= fast.limit:
+            fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
+            k = fast.now(fp, b.data, b.nbytes)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, b.data, b.nbytes, k)
+            fast.reduce(k, b.data, 0, b.count, b.dtype, op)
+            return
         fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op)
         ctx = CollCtx(self, fp, b.dtype, op)
         algo = ring.all_reduce if self._algo("all_reduce", b.nbytes) == algorithms.RING else latency.all_reduce
@@ -210,6 +230,16 @@ class Group:
     async def flat_all_gather(self, o: Mem, i: Mem) -> None:
         if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
             return await self._on_device("all_gather", [o, i], [0])
+        fast = self._fast
+        if fast is not None and i.nbytes <= fast.limit:
+            fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count, fast=True)
+            nb = i.nbytes
+            k = fast.now(fp, i.data, nb)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, i.data, nb, k)
+            for r in range(self.size):
+                fast.copy_from(k, r, o.data[r * nb:(r + 1) * nb], nb)
+            return
         fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count)
         nb = i.nbytes
         if not np.shares_memory(o.data[self.rank * nb:(self.rank + 1) * nb], i.data) or \
@@ -222,6 +252,14 @@ class Group:
     async def flat_reduce_scatter(self, o: Mem, i: Mem, op: ReduceOp) -> None:
         if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
             return await self._on_device("reduce_scatter", [o, i], [0], op=op)
+        fast = self._fast
+        if fast is not None and i.nbytes <= fast.limit:
+            fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op, True)
+            k = fast.now(fp, i.data, i.nbytes)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, i.data, i.nbytes, k)
+            fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op)
+            return
         fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
         ctx = CollCtx(self, fp, o.dtype, op)
         scratch = self._pool.take(i.nbytes)
@@ -238,6 +276,17 @@ class Group:
     async def flat_broadcast(self, b: Mem, root: int) -> None:
         if isinstance(b, DeviceBuf):
             return await self._on_device("broadcast", [b], [0], root=root)
+        fast = self._fast
+        if fast is not None and b.nbytes <= fast.limit:
+            fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root, fast=True)
+            mine = self.rank == root
+            nb = b.nbytes if mine else 0
+            k = fast.now(fp, b.data, nb)
+            if type(k) is tuple:
+                k = await self._fast_finish(fp, b.data, nb, k)
+            if not mine:
+                fast.copy_from(k, root, b.data, b.nbytes)
+            return
         fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root)
         ctx = CollCtx(self, fp, b.dtype, None)
         algo = ring.broadcast if self._algo("broadcast", b.nbytes) == algorithms.RING else latency.broadcast
@@ -284,9 +333,24 @@ class Group:
         await run_collective(self, fp, lambda: direct.scatter(ctx, o, i, root))
 
     async def flat_barrier(self) -> None:
+        fast = self._fast
+        if fast is not None:
+            fp = self.next_fingerprint(CollOp.BARRIER, None, 0, fast=True)
+            k = fast.now(fp, None, 0)
+            if type(k) is tuple:
+                await self._fast_finish(fp, None, 0, k)
+            return
         fp = self.next_fingerprint(CollOp.BARRIER, None, 0)
         ctx = CollCtx(self, fp, DType.UINT8, None)
         await run_collective(self, fp, lambda: latency.barrier(ctx))
+
+    def close_fast(self, children: bool = False) -> None:
+        """Let go of the fast path's segment and socket (and, with children, those of the sub-groups)."""
+        if self._fast is not None:
+            self._fast.close()
+        if children:
+            for c in self._children:
+                c.close_fast(children=True)
 
     # ---- device memory -------------------------------------------------------------------------------
     def _gpu_island(self) -> bool:

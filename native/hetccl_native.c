@@ -789,6 +789,148 @@ int hccl_wait_any_change(uint64_t **addrs, const uint64_t *vals, int n, uint64_t
 }
 
 /* ------------------------------------------------------------------------------------------------ */
+/* small-message fast path (see hetccl_native.h and hetccl/fastpath.py)                              */
+/* ------------------------------------------------------------------------------------------------ */
+
+#define HCCL_FAST_ANN_OFF 4096
+#define HCCL_FAST_ANN_N 64
+#define HCCL_FAST_SLOTS_OFF 8192
+#define HCCL_FAST_DATA_OFF 4096
+
+static size_t hccl_fast_stride(size_t max_bytes)
+{
+    return HCCL_FAST_DATA_OFF + ((max_bytes + 4095) & ~(size_t)4095);
+}
+
+size_t hccl_fast_seg_size(size_t max_bytes)
+{
+    return HCCL_FAST_SLOTS_OFF + 2 * hccl_fast_stride(max_bytes);
+}
+
+/* the stride is kept in the segment (word 3) so that the other functions need no size argument */
+uint64_t *hccl_fast_word(char *seg, int which)
+{
+    return (uint64_t *)(seg + 64 * which);
+}
+
+char *hccl_fast_slot(char *seg, uint64_t k)
+{
+    uint64_t stride = __atomic_load_n(hccl_fast_word(seg, 3), __ATOMIC_RELAXED);
+    return seg + HCCL_FAST_SLOTS_OFF + (k & 1) * stride;
+}
+
+uint64_t *hccl_fast_announce_entry(char *seg, uint64_t seq)
+{
+    return (uint64_t *)(seg + HCCL_FAST_ANN_OFF + (seq % HCCL_FAST_ANN_N) * 32);
+}
+
+uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3,
+                        const void *src, size_t nbytes)
+{
+    char *slot = hccl_fast_slot(segs[me], k);
+    uint64_t *h = (uint64_t *)slot;
+    h[0] = w0;
+    h[1] = w1;
+    h[2] = w2;
+    h[3] = w3;
+    if (nbytes)
+        memcpy(slot + HCCL_FAST_DATA_OFF, src, nbytes);
+    __atomic_store_n(hccl_fast_word(segs[me], 2), k + 1, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* pairs with the sleeper's fence after raising its flag */
+    uint64_t mask = 0;
+    for (int r = 0; r < n; r++) {
+        if (r == me || !__atomic_load_n(hccl_fast_word(segs[r], 1), __ATOMIC_RELAXED))
+            continue;
+        if (r >= 64)
+            return ~(uint64_t)0;
+        mask |= (uint64_t)1 << r;
+    }
+    return mask;
+}
+
+/* -1: everyone published k with fp; -2: someone has not yet; r: rank r disagrees */
+HCCL_INLINE int hccl_fast_check(char **segs, int n, int me, uint64_t k, const uint64_t *fp)
+{
+    int missing = 0;
+    for (int r = 0; r < n; r++) {
+        if (r == me)
+            continue;
+        if (__atomic_load_n(hccl_fast_word(segs[r], 2), __ATOMIC_ACQUIRE) < k + 1) {
+            /* announced another collective at this number? (read after the published count: a rank
+             * announces only after it published every fast operation before) */
+            const uint64_t *a = hccl_fast_announce_entry(segs[r], fp[0]);
+            if (__atomic_load_n(&a[0], __ATOMIC_ACQUIRE) == fp[0] + 1 &&
+                __atomic_load_n(hccl_fast_word(segs[r], 2), __ATOMIC_ACQUIRE) < k + 1)
+                return r;
+            missing = 1;
+            continue;
+        }
+        const uint64_t *h = (const uint64_t *)hccl_fast_slot(segs[r], k);
+        if (h[0] != fp[0] || h[1] != fp[1] || h[2] != fp[2] || h[3] != fp[3])
+            return r;
+    }
+    return missing ? -2 : -1;
+}
+
+int hccl_fast_wait(char **segs, int n, int me, uint64_t k, uint64_t spin_ns, uint64_t yield_ns)
+{
+    const uint64_t *fp = (const uint64_t *)hccl_fast_slot(segs[me], k);
+    int r = hccl_fast_check(segs, n, me, k, fp);
+    if (r != -2 || (spin_ns == 0 && yield_ns == 0))
+        return r;
+    uint64_t start = hccl_now_ns();
+    uint64_t spin_end = hccl_sat_add(start, spin_ns);
+    uint64_t end = hccl_sat_add(spin_end, yield_ns);
+    if (spin_ns != 0) {
+        for (;;) {
+            for (int i = 0; i < 32; i++) {
+                hccl_cpu_relax();
+                if ((r = hccl_fast_check(segs, n, me, k, fp)) != -2)
+                    return r;
+            }
+            if (hccl_now_ns() >= spin_end)
+                break;
+        }
+    }
+    while (hccl_now_ns() < end) {
+        sched_yield();
+        if ((r = hccl_fast_check(segs, n, me, k, fp)) != -2)
+            return r;
+    }
+    return hccl_fast_check(segs, n, me, k, fp);
+}
+
+void hccl_fast_announce(char *seg, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3)
+{
+    uint64_t *a = hccl_fast_announce_entry(seg, w0);
+    a[1] = w1;
+    a[2] = w2;
+    a[3] = w3;
+    __atomic_store_n(&a[0], w0 + 1, __ATOMIC_RELEASE);
+}
+
+int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, size_t count, int dtype, int op)
+{
+    if (n < 1)
+        return 0;
+    const char *d0 = hccl_fast_slot(segs[0], k) + HCCL_FAST_DATA_OFF + offset;
+    if (n == 1) {
+        size_t isz = hccl_dtype_size(dtype);
+        if (!isz)
+            return -1;
+        memcpy(dst, d0, count * isz);
+        return 0;
+    }
+    const char *d1 = hccl_fast_slot(segs[1], k) + HCCL_FAST_DATA_OFF + offset;
+    if (hccl_reduce3(dst, d0, d1, count, dtype, op))
+        return -1;
+    for (int r = 2; r < n; r++)
+        if (hccl_reduce(dst, hccl_fast_slot(segs[r], k) + HCCL_FAST_DATA_OFF + offset, count, dtype, op))
+            return -1;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
 /* build info                                                                                        */
 /* ------------------------------------------------------------------------------------------------ */
 

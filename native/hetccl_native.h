@@ -67,6 +67,36 @@ int hccl_wait_ne(const uint64_t *addr, uint64_t value, uint64_t spin_ns, uint64_
 /* Wait until any *addrs[i] != vals[i] (spin, then sched_yield, with the same timing rules as
  * hccl_wait_ge); index of a changed one (the lowest), or -1 on time-out. n <= 0 returns -1 at once. */
 int hccl_wait_any_change(uint64_t **addrs, const uint64_t *vals, int n, uint64_t spin_ns, uint64_t yield_ns);
+/* The small-message fast path (hetccl/fastpath.py): every rank of a group on one host owns a segment of
+ * hccl_fast_seg_size(max_bytes) bytes, mapped by all; `segs[r]` is group rank r's. Fast operation number k
+ * (counted per group, the same on every rank) writes its fingerprint (4 words: group sequence number,
+ * op | dtype << 8 | redop << 16, count, root) and data into slot k & 1 of its own segment and publishes
+ * k + 1 (release). Ranks run their fast operations one after the other, so double buffering is enough:
+ * a rank writes slot k & 1 again (operation k + 2) only after every peer published k + 2, i.e. finished
+ * reading operation k. A collective that takes another path announces its sequence number in a ring of
+ * 64 entries (hccl_fast_announce), so a rank waiting at that number sees the mismatch. */
+size_t hccl_fast_seg_size(size_t max_bytes);
+/* the addresses inside a segment: what Python reads to name a mismatch and to wake a sleeper */
+uint64_t *hccl_fast_word(char *seg, int which);
+/* 0: mapped count, 1: waiting flag, 2: published count */
+char *hccl_fast_slot(char *seg, uint64_t k);
+/* the slot's header (4 words), data at + 4096 */
+uint64_t *hccl_fast_announce_entry(char *seg, uint64_t seq);
+/* Publish operation k of rank `me` with fingerprint (w0, w1, w2, w3) (nbytes of src, may be 0). Returns a bit
+ * mask of the peers (ranks < 64) whose waiting flag is up (they sleep and need a wake-up), all bits when
+ * n > 64 and any is up. */
+uint64_t hccl_fast_post(char **segs, int n, int me, uint64_t k, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3,
+                        const void *src, size_t nbytes);
+/* Wait (spin up to spin_ns, then sched_yield up to yield_ns) until every rank published operation k with
+ * the fingerprint of this rank's (which must be published). Returns -1 when all did; -2 when the time ran
+ * out; r >= 0 when rank r published a different fingerprint at k or announced another collective at that
+ * sequence number. */
+int hccl_fast_wait(char **segs, int n, int me, uint64_t k, uint64_t spin_ns, uint64_t yield_ns);
+/* Record that this rank runs the collective numbered w0 off the fast path (words as for hccl_fast_post). */
+void hccl_fast_announce(char *seg, uint64_t w0, uint64_t w1, uint64_t w2, uint64_t w3);
+/* dst = the reduction, in rank order, of the n ranks' data of operation k (count elements from byte
+ * `offset` of each slot). Returns 0, or -1 for an unknown dtype/op. */
+int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, size_t count, int dtype, int op);
 /* monotonic clock (CLOCK_MONOTONIC) in nanoseconds */
 uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "hetccl.algorithms.ring": 5, "hetccl.algorithms.latency": 5, "hetccl.algorithms.direct": 5,
     "hetccl.algorithms.staged_ring": 5,
     "hetccl.scheduler": 5, "hetccl.hangreport": 5,
+    "hetccl.fastpath": 5,
     # 4: device memory operations (buffers, streams, vendor communicators, the link, staging) and bindings
     "hetccl.gpu": 4, "hetccl.bindings": 4,
     # 3: control plane (fabric, rendezvous, rank sources)

@@ -1,0 +1,350 @@
+"""The small-message fast path: host collectives of a group whose ranks all share this host's memory, in C.
+
+A small collective on the transports costs tens of microseconds on its own: tagged frames through the
+shared-memory rings, matching, futures, a doorbell system call to wake a sleeping peer, and the Python
+around all of it. Here each rank of the group owns one small segment (two slots of HETCCL_SHM_FASTPATH_BYTES
+each, `hccl_fast_*` in native/hetccl_native.c) that every other rank maps. Fast operation number k (counted
+per group, the same on every rank) writes its fingerprint and data into slot k & 1 and publishes k + 1;
+the peers spin briefly in C until every rank published k with the same fingerprint, then combine the slots
+(the reduction in rank order, so every rank gets the same bits). Fast operations of a rank run one after
+the other (later ones wait for the earlier), so two slots suffice: nobody overwrites a slot a peer may
+still read. When every peer is already there, an operation never yields to the event loop.
+
+Guarantees, as on the transports:
+- waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher
+  that sees the flag sends one datagram to the sleeper's socket (spoofing one only costs a wake-up). The
+  sleeper wakes at least every 20 ms to look for a lost peer or a poisoned communicator; the collective's
+  deadline is the scheduler's watchdog (run_collective), so a timeout is a CollectiveTimeout naming the op.
+- a lost peer (its transports' liveness: fabric.lost) ends the wait with its PeerLostError;
+- a mismatch: the header of every slot carries the fingerprint (sequence number, op, dtype, count, root,
+  reduce op); a collective that takes another path at a sequence number announces it in the segment, so a
+  rank waiting there sees it too; the rank that sees it raises CollectiveMismatchError through the
+  scheduler, which tells the others (every rank raises);
+- the segments are unlinked as soon as every rank has mapped them (nothing left in /dev/shm after a crash),
+  and at close.
+Eligibility (decided the same way on every rank from the group and the call): a flat group of one island
+whose ranks all reach each other through the shm transport, host buffers, each rank's part at most
+HETCCL_SHM_FASTPATH_BYTES (0: off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+import numpy as np
+
+from . import native, params
+from .dtypes import _FAST as _NP_DTYPES
+from .dtypes import DType, ReduceOp, parse_op
+from .errors import HetcclError, TransportError
+from .matching import mismatch_error
+from .shmseg import Segment
+from .wire import CollOp, Fingerprint
+
+ffi, lib = native.ffi, native.lib
+_from_buffer = ffi.from_buffer
+_CHARS = "char[]"
+DATA_OFF = 4096  # the data of a slot, after its header page
+SAFETY_S = 0.02  # a sleeping waiter looks at lost peers and poisoned communicators at least this often
+_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "avg": ReduceOp.AVG}
+_ALL_REDUCE = int(CollOp.ALL_REDUCE)
+_M64 = 0xFFFFFFFFFFFFFFFF
+NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
+
+
+def limit_for(group: Any) -> int:
+    """The fast path's byte limit for this group, or 0 when it cannot take the fast path."""
+    limit = params.get("HETCCL_SHM_FASTPATH_BYTES")
+    fab = group.fabric
+    if not limit or group.size < 2 or group._islands != 1 or not fab.topology.hosts:
+        return 0
+    me = fab.rank
+    if any(g != me and (fab.peer_transport.get(g) != "shm" or not fab.topology.same_host(me, g))
+           for g in group.members):
+        return 0
+    return limit
+
+
+def _words(fp: Fingerprint) -> tuple[int, int, int, int]:
+    return (fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16), fp.count, fp.root & 0xFFFFFFFFFFFFFFFF)
+
+
+def _fingerprint(comm: int, w: Any) -> Fingerprint:
+    root = int(w[3])
+    return Fingerprint(comm, int(w[0]), int(w[1]) & 0xFF, (int(w[1]) >> 8) & 0xFF, int(w[2]),
+                       root - (1 << 64) if root >= 1 << 63 else root, (int(w[1]) >> 16) & 0xFF)
+
+
+class FastPath:
+    """One group's fast path on this rank (made by the group when limit_for allows it)."""
+
+    def __init__(self, group: Any, limit: int):
+        self.group = group
+        self.fabric = group.fabric
+        self.limit = limit
+        self.n, self.me = group.size, group.rank
+        self.comm_id = group.comm_id
+        self.k = 0  # the next fast operation's number
+        self.tail: asyncio.Future[None] | None = None  # completion of the last operation that went async
+        self.ready = False
+        self.closed = False
+        # spin 2 us, then poll between sched_yield calls for 100 us before sleeping: on a machine whose cores
+        # are shared (with other jobs, or more ranks than cores) a rank that spins on takes the core its peer
+        # needs, and a sleeper pays a scheduler wake-up. Measured on 2 shared cores (4 KiB all_reduce, np 2,
+        # benchmarks/results/host-latency-2026-12-01.md): 30 us spin + 20 us yield gave 115-130 us under load,
+        # this 29-45 us, and the same 7-9 us on a quiet machine.
+        self.spin_ns, self.yield_ns = 2_000, 100_000
+        fab = self.fabric
+        self.segs_c = ffi.new("char *[]", self.n)
+        self.segs: list[Segment | None] = [None] * self.n
+        self.own_name = f"hetccl-{fab.job}-fast-{self.comm_id:x}-{fab.rank}"
+        self.own: Segment | None = None
+        self.sock: socket.socket | None = None
+        self.addrs = [f"\0hetccl-{fab.job}-fastbell-{self.comm_id:x}-{g}" for g in group.members]
+        self._wake: asyncio.Future[None] | None = None
+        self._unlinked = False
+
+    # ---- set-up (the first fast operation, on every rank) --------------------------------------------
+    def _create(self) -> None:
+        size = lib.hccl_fast_seg_size(self.limit)
+        try:
+            seg = Segment(self.own_name, size, create=True)
+        except FileExistsError:  # a leftover of an earlier process with this job id: ours to replace
+            Segment.unlink(self.own_name)
+            seg = Segment(self.own_name, size, create=True)
+        self.own = seg
+        self.segs[self.me] = seg
+        self.segs_c[self.me] = seg.cbase
+        lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 3), DATA_OFF + ((self.limit + 4095) & ~4095))
+        lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 4), 1)  # ready: the stride is written
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        sock.bind(self.addrs[self.me])
+        self.sock = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_bell)
+
+    async def _setup(self) -> None:
+        """Idempotent: a set-up cut short (a timeout) goes on where it stopped at the next fast operation."""
+        if self.own is None:
+            self._create()
+        size = lib.hccl_fast_seg_size(self.limit)
+        prefix = self.own_name.rsplit("-", 1)[0]
+        members = self.group.members
+        for r in range(self.n):
+            if r == self.me or self.segs[r] is not None:
+                continue
+            name = f"{prefix}-{members[r]}"
+            while True:
+                self._check_peers()
+                seg = None
+                with contextlib.suppress(FileNotFoundError, TransportError):
+                    seg = Segment(name, size, create=False)
+                if seg is not None and lib.hccl_load_acquire(lib.hccl_fast_word(seg.cbase, 4)):
+                    break
+                await asyncio.sleep(0.001)
+            self.segs[r] = seg
+            self.segs_c[r] = seg.cbase
+            lib.hccl_fetch_add(lib.hccl_fast_word(seg.cbase, 0), 1)
+        mapped = lib.hccl_fast_word(self.own.cbase, 0)  # type: ignore[union-attr]
+        while lib.hccl_load_acquire(mapped) < self.n - 1:
+            self._check_peers()
+            await asyncio.sleep(0.001)
+        Segment.unlink(self.own_name)  # every rank has it mapped: nothing can leak from here on
+        self._unlinked = True
+        self.ready = True
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if self.own is not None and not self._unlinked:
+            Segment.unlink(self.own_name)
+            self._unlinked = True
+        self.ready = False
+        self.closed = True
+
+    # ---- waking ---------------------------------------------------------------------------------------
+    def _on_bell(self) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            while sock.recv(64):
+                pass
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _ring(self, mask: int) -> None:
+        sock = self.sock
+        for r in range(self.n):
+            if mask >> min(r, 63) & 1 and r != self.me:
+                with contextlib.suppress(OSError):
+                    sock.sendto(b"\x01", self.addrs[r])  # type: ignore[union-attr]
+
+    def _check_peers(self) -> None:
+        """Raise what ended the group: a lost member, a poisoned communicator."""
+        fab = self.fabric
+        if fab.lost:
+            for g in self.group.members:
+                exc = fab.lost.get(g)
+                if exc is not None:
+                    raise exc
+        poisoned = fab.poisoned.get(self.comm_id)
+        if poisoned is not None:
+            raise poisoned
+        if self.closed:
+            raise HetcclError("communicator is closed; create a new one with hetccl.init()")
+
+    def _mismatch(self, fp: Fingerprint, k: int, r: int) -> BaseException:
+        seg = self.segs_c[r]
+        if lib.hccl_load_acquire(lib.hccl_fast_word(seg, 2)) >= k + 1:
+            w = ffi.cast("uint64_t *", lib.hccl_fast_slot(seg, k))
+        else:
+            w = lib.hccl_fast_announce_entry(seg, fp.seq)
+        return mismatch_error(self.me, r, fp, _fingerprint(fp.comm, [w[0], w[1], w[2], w[3]]))
+
+    # ---- one operation ----------------------------------------------------------------------------------
+    def _post(self, fp: Fingerprint, k: int, src: Any, nbytes: int) -> None:
+        mask = lib.hccl_fast_post(self.segs_c, self.n, self.me, k, *_words(fp),
+                                  _from_buffer(_CHARS, src) if nbytes else ffi.NULL, nbytes)
+        if mask:
+            self._ring(mask)
+
+    def now(self, fp: Fingerprint, src: Any, nbytes: int) -> Any:
+        """Start operation fp synchronously (called right after the group numbered it). Returns its number k
+        when every rank published it with the same fingerprint within the spin: combine, and that is all.
+        Otherwise a tuple (POSTED or NOT_STARTED, k, prev, mine) for `finish`, which the caller runs under the
+        scheduler."""
+        k = self.k
+        self.k = k + 1
+        prev = self.tail
+        fab = self.fabric
+        if self.ready and (prev is None or prev.done()) and not fab.poisoned and not fab.departed:
+            segs = self.segs_c
+            mask = lib.hccl_fast_post(segs, self.n, self.me, k, fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16),
+                                      fp.count, fp.root & 0xFFFFFFFFFFFFFFFF,
+                                      _from_buffer(_CHARS, src) if nbytes else ffi.NULL, nbytes)
+            if mask:
+                self._ring(mask)
+            if lib.hccl_fast_wait(segs, self.n, self.me, k, self.spin_ns, self.yield_ns) == -1:
+                return k
+            state = POSTED
+        else:
+            state = NOT_STARTED
+        mine = self.tail = asyncio.get_running_loop().create_future()
+        return state, k, prev, mine
+
+    def try_all_reduce(self, group: Any, arr: Any, op: Any) -> Any:
+        """The facade's shortcut for an all_reduce of a plain numpy array (the torch backend's and most
+        callers'): every check and the whole operation in one call, without the Buf and the fingerprint the
+        general route builds. False: not for this path (nothing was taken; go the general route). True: done.
+        Otherwise an awaitable that ends it (the peers were not all there within the spin)."""
+        dt = _NP_DTYPES.get(arr.dtype)
+        nbytes = arr.nbytes
+        if dt is None or nbytes > self.limit or not nbytes:
+            return False
+        flags = arr.flags
+        if not flags.c_contiguous or not flags.writeable:
+            return False
+        rop = _OPS.get(op) if type(op) is str else op
+        if type(rop) is not ReduceOp:
+            rop = parse_op(op)
+        prev = self.tail
+        fab = self.fabric
+        if not self.ready or (prev is not None and not prev.done()) or fab.poisoned or fab.departed \
+                or group._closed or group._aborted is not None:
+            return False
+        seq = group._seq
+        group._seq = (seq + 1) & 0xFFFFFFFF
+        k = self.k
+        self.k = k + 1
+        count = arr.size
+        segs = self.segs_c
+        ptr = _from_buffer(_CHARS, arr, True)
+        mask = lib.hccl_fast_post(segs, self.n, self.me, k, seq, _ALL_REDUCE | (dt << 8) | (rop << 16), count, _M64,
+                                  ptr, nbytes)
+        if mask:
+            self._ring(mask)
+        if lib.hccl_fast_wait(segs, self.n, self.me, k, self.spin_ns, self.yield_ns) == -1:
+            if lib.hccl_fast_reduce(ptr, segs, self.n, k, 0, count, dt, 0 if rop == ReduceOp.AVG else rop):
+                raise HetcclError(f"native reduce refused dtype {dt!r} op {rop!r}")
+            if rop == ReduceOp.AVG:
+                native.divide(arr.reshape(-1).view(np.uint8), dt, self.n)
+            return True
+        fp = Fingerprint(self.comm_id, seq, _ALL_REDUCE, int(dt), count, -1, int(rop))
+        mine = self.tail = asyncio.get_running_loop().create_future()
+        return self._all_reduce_rest(group, fp, arr, (POSTED, k, prev, mine))
+
+    async def _all_reduce_rest(self, group: Any, fp: Fingerprint, arr: Any, started: Any) -> None:
+        data = arr.reshape(-1).view(np.uint8)
+        k = await group._fast_finish(fp, data, fp.count * arr.itemsize, started)
+        self.reduce(k, data, 0, fp.count, DType(fp.dtype), ReduceOp(fp.redop))
+
+    async def finish(self, fp: Fingerprint, src: Any, nbytes: int, started: tuple[int, int, Any, Any]) -> int:
+        """The rest of an operation `now` did not end: wait for the fast operations before it, set up (the
+        first one), post, wait for every rank. Returns the operation's number."""
+        state, k, prev, mine = started
+        try:
+            if state == NOT_STARTED:
+                if prev is not None and not prev.done():
+                    await asyncio.shield(prev)
+                self._check_peers()
+                if not self.ready:
+                    await self._setup()
+                self._post(fp, k, src, nbytes)
+            await self._wait(fp, k)
+        finally:
+            if mine is not None and not mine.done():
+                mine.set_result(None)
+        return k
+
+    async def _wait(self, fp: Fingerprint, k: int) -> None:
+        segs, n, me = self.segs_c, self.n, self.me
+        loop = asyncio.get_running_loop()
+        waiting = lib.hccl_fast_word(segs[me], 1)
+        r = lib.hccl_fast_wait(segs, n, me, k, self.spin_ns, self.yield_ns)
+        while r != -1:
+            if r >= 0:
+                raise self._mismatch(fp, k, r)
+            self._check_peers()
+            await asyncio.sleep(0)  # let the loop run (other collectives, doorbells) before sleeping
+            r = lib.hccl_fast_wait(segs, n, me, k, 0, 0)
+            if r != -2:
+                continue
+            lib.hccl_store_release(waiting, 1)
+            lib.hccl_fetch_add(waiting, 0)  # full fence before the re-check (pairs with hccl_fast_post)
+            r = lib.hccl_fast_wait(segs, n, me, k, 0, 0)
+            if r == -2:
+                fut = self._wake = loop.create_future()
+                handle = loop.call_later(SAFETY_S, lambda f=fut: f.done() or f.set_result(None))
+                try:
+                    await fut
+                finally:
+                    handle.cancel()
+                    self._wake = None
+                    lib.hccl_store_release(waiting, 0)
+                r = lib.hccl_fast_wait(segs, n, me, k, self.spin_ns, 0)
+            else:
+                lib.hccl_store_release(waiting, 0)
+
+    # ---- combining (every rank published operation k) ----------------------------------------------------
+    def reduce(self, k: int, dst: np.ndarray, offset: int, count: int, dtype: DType, op: ReduceOp) -> None:
+        if count and lib.hccl_fast_reduce(_from_buffer(_CHARS, dst, True), self.segs_c, self.n, k, offset, count,
+                                          dtype, 0 if op == ReduceOp.AVG else op):
+            raise HetcclError(f"native reduce refused dtype {dtype!r} op {op!r}")
+        if op == ReduceOp.AVG:
+            native.divide(dst, dtype, self.n)
+
+    def copy_from(self, k: int, r: int, dst: np.ndarray, nbytes: int) -> None:
+        if nbytes:
+            lib.hccl_copy(_from_buffer(_CHARS, dst, True), lib.hccl_fast_slot(self.segs_c[r], k) + DATA_OFF, nbytes)
+
+    def announce(self, fp: Fingerprint) -> None:
+        """This rank runs collective fp off the fast path: a peer waiting at that number must see it."""
+        lib.hccl_fast_announce(self.segs_c[self.me], *_words(fp))

@@ -1,0 +1,160 @@
+"""Rank functions for test_fastpath.py (see rankrun.py): the small-message fast path (hetccl/fastpath.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+from workers import DTYPES, OPS, check, expected_reduce, make, np_dtype
+
+import hetccl
+
+LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096
+
+
+def _fast_ops(comm: hetccl.Communicator) -> int:
+    assert comm._fast is not None, "this group should have a fast path"
+    return comm._fast.k
+
+
+async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
+    """Every dtype and op of all_reduce and reduce_scatter, all_gather, broadcast from every root and barrier,
+    at the limit (fast) and just above it (the transports): same results either way."""
+    n, r = comm.size, comm.rank
+    for dtype in DTYPES:
+        isz = np_dtype(dtype).itemsize
+        for count in (1, 7, LIMIT // isz, LIMIT // isz + 1):
+            fast = count * isz <= LIMIT
+            for op in OPS:
+                before = _fast_ops(comm)
+                buf = make(r, count, dtype, salt=3)
+                await comm.all_reduce(buf, op=op)
+                check(buf, expected_reduce(n, count, dtype, op, salt=3), f"all_reduce {dtype} {op} x{count}")
+                assert (_fast_ops(comm) > before) == fast, (dtype, op, count, before, _fast_ops(comm))
+            # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
+            k = max(1, count // n)
+            for op in ("sum", "max", "avg"):
+                inp = np.concatenate([make(r, k, dtype, salt=10 + p) for p in range(n)])
+                out = np.zeros(k, np_dtype(dtype))
+                await comm.reduce_scatter(out, inp, op=op)
+                check(out, expected_reduce(n, k, dtype, op, salt=10 + r), f"reduce_scatter {dtype} {op} x{k}")
+            mine = make(r, count, dtype, salt=5)
+            out = np.zeros(n * count, np_dtype(dtype))
+            await comm.all_gather(out, mine)
+            for p in range(n):
+                check(out[p * count:(p + 1) * count], make(p, count, dtype, salt=5), f"all_gather {dtype} x{count}")
+            for root in range(n):
+                b = make(r, count, dtype, salt=7) if r == root else np.zeros(count, np_dtype(dtype))
+                await comm.broadcast(b, root=root)
+                check(b, make(root, count, dtype, salt=7), f"broadcast {dtype} x{count} root {root}")
+            await comm.barrier()
+    # in-place all_gather (inp is this rank's block of out) and the sub-groups of a split
+    out = np.zeros(n * 8, np.float32)
+    out[r * 8:(r + 1) * 8] = r + 1
+    await comm.all_gather(out, out[r * 8:(r + 1) * 8])
+    check(out, np.repeat(np.arange(1, n + 1, dtype=np.float32), 8), "in-place all_gather")
+    sub = await comm.split(r % 2)
+    buf = np.ones(16, np.float32)
+    await sub.all_reduce(buf)
+    check(buf, np.full(16, sub.size, np.float32), "all_reduce of a split")
+    if sub.size > 1:
+        assert sub._fast is not None and sub._fast.k > 0
+    await sub.close()
+    os.write(1, f"rank {r} fast ok ({_fast_ops(comm)} fast operations)\n".encode())
+
+
+async def many_in_flight(comm: hetccl.Communicator) -> None:
+    """Many fast and slow collectives issued at once (asyncio.gather): each completes with its own result,
+    in order with the others."""
+    n, r = comm.size, comm.rank
+    for rnd in range(5):
+        bufs = [np.full(16 if i % 3 else 4096, r + i + rnd, np.float32) for i in range(60)]
+        await asyncio.gather(*(comm.all_reduce(b) for b in bufs), comm.barrier())
+        for i, b in enumerate(bufs):
+            want = sum(p + i + rnd for p in range(n))
+            check(b, np.full(len(b), want, np.float32), f"in flight #{i} round {rnd}")
+    os.write(1, f"rank {r} in flight ok\n".encode())
+
+
+async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
+    """Rank 1 disagrees on a fast collective (or takes the transports where the others take the fast path):
+    every rank raises CollectiveMismatchError, quickly."""
+    r = comm.rank
+    odd = r == 1
+    await comm.all_reduce(np.ones(4, np.float32))  # the fast path is set up
+    t0 = time.monotonic()
+    try:
+        if kind == "count":
+            await comm.all_reduce(np.ones(9 if odd else 8, np.float32))
+        elif kind == "dtype":
+            await comm.all_reduce(np.ones(8, np.float64 if odd else np.float32))
+        elif kind == "op":
+            await comm.all_reduce(np.ones(8, np.float32), op="max" if odd else "sum")
+        elif kind == "collective":
+            if odd:
+                await comm.broadcast(np.ones(8, np.float32), root=0)
+            else:
+                await comm.all_reduce(np.ones(8, np.float32))
+        elif kind == "slow":  # rank 1 above the limit: the transports, the others the fast path
+            await comm.all_reduce(np.ones(LIMIT if odd else 8, np.float32))
+        await comm.barrier()
+    except hetccl.CollectiveMismatchError as exc:
+        took = time.monotonic() - t0
+        assert took < 10, (str(exc), took)
+        os.write(1, f"mismatch ok rank {r} ({took:.2f} s): {exc}\n".encode())
+        return
+    raise AssertionError(f"rank {r}: mismatched collectives ({kind}) completed")
+
+
+async def die_waiting(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim exits hard while the others wait for it in a fast all_reduce: PeerLostError naming it."""
+    buf = np.ones(256, np.float32)
+    for _ in range(20):
+        await comm.all_reduce(buf)
+    if comm.rank == victim:
+        await asyncio.sleep(0.3)  # the others are asleep in the fast path's wait by now
+        os._exit(17)
+    t0 = time.monotonic()
+    try:
+        await comm.all_reduce(buf)
+    except hetccl.PeerLostError as exc:
+        took = time.monotonic() - t0
+        assert took < 10, f"took {took:.1f} s"
+        print(f"rank {comm.rank}: PeerLostError rank={exc.rank}: {exc}", flush=True)
+        await asyncio.sleep(2)
+        os._exit(0 if exc.rank in (victim, -1) else 3)
+    except hetccl.HetcclError as exc:
+        print(f"rank {comm.rank}: other error {exc!r}", flush=True)
+        os._exit(4)
+    os._exit(5)
+
+
+async def late_rank_times_out(comm: hetccl.Communicator) -> None:
+    """Rank 1 arrives after the timeout: rank 0's fast all_reduce raises CollectiveTimeout naming it."""
+    buf = np.ones(8, np.float32)
+    await comm.all_reduce(buf)
+    if comm.rank == 1:
+        await asyncio.sleep(6)
+        os.write(1, b"late rank done\n")
+        return
+    t0 = time.monotonic()
+    try:
+        await comm.all_reduce(buf)
+    except hetccl.CollectiveTimeout as exc:
+        took = time.monotonic() - t0
+        assert 2.5 < took < 9 and "all_reduce" in str(exc), (took, str(exc))
+        os.write(1, f"timeout ok ({took:.2f} s): {exc}\n".encode())
+        return
+    raise AssertionError("the all_reduce completed without rank 1")
+
+
+
+async def fast_off(comm: hetccl.Communicator) -> None:
+    """HETCCL_SHM_FASTPATH_BYTES=0, or no shared memory between the ranks: no fast path, same results."""
+    assert comm._fast is None
+    buf = np.ones(8, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(8, comm.size, np.float32), "all_reduce without the fast path")
+    os.write(1, f"rank {comm.rank} off ok\n".encode())

@@ -1,0 +1,73 @@
+"""The small-message fast path (hetccl/fastpath.py) on real ranks: results, ordering, failures."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from rankrun import HERE, ROOT, assert_victim_named, finish, run_ranks, spawn_ranks
+
+FAST = {"HETCCL_SHM_FASTPATH_BYTES": "4096", "HETCCL_TIMEOUT": "20"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_dtype_op_and_collective_at_the_edge(n: int) -> None:
+    proc = run_ranks(n, "fastpath_workers:every_dtype_and_op", env=FAST, timeout=280)
+    assert proc.stdout.count("fast ok") == n, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_many_in_flight_stay_ordered() -> None:
+    proc = run_ranks(3, "fastpath_workers:many_in_flight", env=FAST)
+    assert proc.stdout.count("in flight ok") == 3, proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "slow"])
+def test_mismatch_raises_on_every_rank(kind: str) -> None:
+    proc = run_ranks(3, "fastpath_workers:mismatch", env=FAST, kind=kind)
+    assert proc.stdout.count("mismatch ok") == 3, proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,victim", [(2, 1), (3, 0)])
+def test_dead_peer_raises_peer_lost(n: int, victim: int) -> None:
+    before = set(glob.glob("/dev/shm/hetccl-*"))
+    procs = spawn_ranks(n, "fastpath_workers:die_waiting", env=FAST, victim=victim)
+    assert_victim_named(finish(procs, 60), victim)
+    assert set(glob.glob("/dev/shm/hetccl-*")) <= before
+
+
+@pytest.mark.timeout(120)
+def test_late_rank_times_out() -> None:
+    env = dict(FAST, HETCCL_TIMEOUT="3", HETCCL_HANG_REPORT="0")
+    proc = run_ranks(2, "fastpath_workers:late_rank_times_out", env=env, expect_rc=None)
+    assert "timeout ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_off_when_zero() -> None:
+    proc = run_ranks(2, "fastpath_workers:fast_off", env={"HETCCL_SHM_FASTPATH_BYTES": "0"})
+    assert proc.stdout.count("off ok") == 2, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_not_over_tcp() -> None:
+    proc = run_ranks(2, "fastpath_workers:fast_off", env={"HETCCL_TRANSPORTS": "tcp"})
+    assert proc.stdout.count("off ok") == 2, proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_torch_backend_under_torchrun() -> None:
+    """The "hetccl" torch.distributed backend under torchrun: small CPU collectives take the fast path."""
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "torch_fastpath.py")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               HETCCL_TIMEOUT="60")
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0 and proc.stdout.count("torch fast ok") == 2, proc.stdout + proc.stderr[-6000:]
