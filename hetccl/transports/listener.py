@@ -101,7 +101,7 @@ class PeerListener:
 
 
 async def dial(ctx: TransportContext, peer: int, record: dict[str, Any], purpose: str, label: str,
-               unix: bool = False, lane: int = 0) -> socket.socket:
+               *, unix: bool = False, lane: int = 0) -> socket.socket:
     """Connect to peer's PeerListener at record["host"]:record["port"] (unix: at the abstract Unix socket
     record["uds"]) and run the client side of the handshake (lane > 0: one of the pair's extra TCP lanes);
     CollectiveTimeout or PeerLostError naming the peer when that fails."""

@@ -401,7 +401,7 @@ class TcpTransport(Transport):
         return "port" in peer_record
 
     async def _dial(self, peer: int, record: dict[str, Any], lane: int = 0) -> socket.socket:
-        return await dial(self.ctx, peer, record, "data", "tcp", lane)
+        return await dial(self.ctx, peer, record, "data", "tcp", lane=lane)
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         me = self.ctx.rank
