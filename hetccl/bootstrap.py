@@ -67,6 +67,19 @@ def host_identity(name: str | None = None) -> str:
     return f"{machine}/{name}" if name else machine
 
 
+def check_agreement(records: list[dict[str, Any]]) -> None:
+    """Refuse, on every rank alike, settings that must be the same everywhere (params `agree`) but differ: ranks
+    that chunk or route a collective differently would wait for messages that never come."""
+    base = records[0].get("agree") or {}
+    for r, rec in enumerate(records[1:], 1):
+        theirs = rec.get("agree") or {}
+        for name, value in base.items():
+            if name in theirs and theirs[name] != value:
+                raise ConfigError(f"{name} differs between ranks: rank 0 has {value}, rank {r} has {theirs[name]}; "
+                                  "every rank must use the same value (set it alike in every rank's environment, "
+                                  "or in the Settings passed to hetccl.init)")
+
+
 @dataclass
 class Topology:
     hosts: list[str]  # host id of every rank
@@ -186,9 +199,20 @@ class Fabric:
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
-                "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label()}
+                "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label(),
+                "agree": params.agreed(s)}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
+        read = await self.store.add(f"{self.job}/records-read", 1)
+        try:
+            check_agreement(self.records)
+        except ConfigError:
+            if self.server is not None:  # every rank raises it: the store must outlive their reads
+                deadline = time.monotonic() + min(10.0, s.timeout)
+                while read < size and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                    read = await self.store.add(f"{self.job}/records-read", 0)
+            raise
         self.topology = Topology([rec["host"] for rec in self.records],
                                  [rec.get("machine", rec["host"]) for rec in self.records])
         ctx.local_ranks = self.topology.local_ranks(rank)

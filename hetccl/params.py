@@ -79,6 +79,7 @@ class Param:
     shown: str | None = None  # README's default column when the default alone does not say it
     empty_error: str | None = None  # set-but-empty is refused with this hint (else empty = unset)
     secret: bool = False  # never printed
+    agree: bool = False  # the same on every rank (checked at start-up: else ranks issue different messages)
 
     def default_text(self) -> str:
         if self.shown is not None:
@@ -227,9 +228,10 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "`ConfigError` saying why", "hetccl.transports.registry", field="transports",
        shown="all available (shm inside a host, verbs across hosts when an RDMA device is active, else tcp)"),
     _P("HETCCL_ALGO", "str", None, "`ring` or `latency` (aliases `tree`, `rd`) for every collective, or per op: "
-       "`all_reduce=ring,broadcast=tree`", "hetccl.algorithms", field="algo", parse=_lower, shown="cost model"),
+       "`all_reduce=ring,broadcast=tree`", "hetccl.algorithms", field="algo", parse=_lower, shown="cost model",
+       agree=True),
     _P("HETCCL_CHUNK_BYTES", "size", 1 << 20, "pipeline chunk of the ring algorithms", "hetccl.algorithms.ring",
-       lo=4096, field="chunk_bytes"),
+       lo=4096, field="chunk_bytes", agree=True),
     _P("HETCCL_SOCKET_PUMP_BYTES", "size", None, "TCP payloads of at least this many bytes are sent and received "
        "by native threads (one per direction and peer) instead of the event loop, so a ring step's send and "
        "receive copy on two cores at once; 0 = never", "hetccl.transports.tcp",
@@ -262,7 +264,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_SHM_FASTPATH_BYTES", "size", 64 << 10, "small-message fast path: a collective of a group whose ranks "
        "all share this host's memory (all_reduce, broadcast, all_gather, reduce_scatter, barrier) exchanges through a "
        "dedicated shared segment, in C, when each rank's part is at most this many bytes; `0` turns it off",
-       "hetccl.fastpath", lo=0, hi=16 << 20),
+       "hetccl.fastpath", lo=0, hi=16 << 20, agree=True),
     _P("HETCCL_SHM_SLOTS", "int", 16, "shared-memory ring: slots per peer", "hetccl.transports.shm", lo=2,
        hi=4096),
     _P("HETCCL_STORE_EXTERNAL", "bool", False, "`1`: rank 0 does not host the store (it runs at `HETCCL_ADDR` "
@@ -288,24 +290,25 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_HIP_LIB", "str", None, "HIP runtime whose driver calls (copies, events, stream memory operations) "
        "the cross-island link uses on AMD GPUs", "hetccl.bindings.streamops", shown="libamdhip64.so"),
     _P("HETCCL_PAIRLINK", "bool", True, "`0`: GPU island leaders on one host stage through hetccl's transports "
-       "instead of the zero-copy link (a pair of leaders, or a ring of three or more)", "hetccl.gpu.pairlink"),
+       "instead of the zero-copy link (a pair of leaders, or a ring of three or more)", "hetccl.gpu.pairlink",
+       agree=True),
     _P("HETCCL_PAIRLINK_DIRECT_BYTES", "size", 1 << 20, "messages up to this size take the link's direct path (one "
        "stream, the reduction reads the peer's slot through the GPU's mapping of host memory); larger ones "
        "pipeline by chunk", "hetccl.gpu.pairlink"),
     _P("HETCCL_PAIRLINK_SMALL", "bool", True, "`0`: small cross-island messages (up to `HETCCL_CROSS_SMALL_BYTES`) "
-       "make a host round trip instead of taking the GPU-signalled link", "hetccl.gpu.staging"),
+       "make a host round trip instead of taking the GPU-signalled link", "hetccl.gpu.staging", agree=True),
     _P("HETCCL_PAIRLINK_PLACE", "choice", "receiver", "which NUMA node each direction's ring of the link lives on: "
        "`receiver` (near the GPU that reads it), `sender`, or `none` (wherever the creating leader runs)",
        "hetccl.gpu.pairlink", choices=("receiver", "sender", "none")),
     _P("HETCCL_PAIRLINK_SLOTS", "int", 16, "slots per direction of the zero-copy link", "hetccl.gpu.pairlink",
        lo=2, hi=4096),
     _P("HETCCL_STAGE_BYTES", "size", 4 << 20, "cross-island chunk (pipeline and link slot size)",
-       "hetccl.gpu.staging", lo=4096),
+       "hetccl.gpu.staging", lo=4096, agree=True),
     _P("HETCCL_STAGED_RING", "bool", True, "`0`: three or more GPU island leaders that no zero-copy link joins "
        "all-gather each staged chunk and reduce it locally instead of running a ring reduced on the devices",
-       "hetccl.gpu.staging"),
+       "hetccl.gpu.staging", agree=True),
     _P("HETCCL_CROSS_SMALL_BYTES", "size", 256 << 10, "cross-island all_reduces up to this size go through host "
-       "memory in one piece where the GPU-signalled link is not used", "hetccl.gpu.staging"),
+       "memory in one piece where the GPU-signalled link is not used", "hetccl.gpu.staging", agree=True),
     _P("HETCCL_STREAM_MEMOPS", "bool", True, "`0`: the cross-island link is signalled by the CPU instead of GPU "
        "stream memory operations", "hetccl.bindings.streamops"),
     _P("HETCCL_GPU_BLOCKING", "bool", False, "`1`: device collectives return once complete instead of once enqueued "
@@ -419,6 +422,17 @@ def get(name: str) -> Any:
     value = parse(p, _raw[name])  # a bad value raises here, every time it is asked for
     _cache[name] = value
     return value
+
+
+def agreed(settings: Any = None) -> dict[str, str]:
+    """The values of the parameters every rank must share (`agree`), as text: from `settings` (config.Settings)
+    for those it holds, else from the environment. Bootstrap compares them across ranks."""
+    out = {}
+    for p in TABLE.values():
+        if p.agree:
+            value = getattr(settings, p.field) if settings is not None and p.field else get(p.name)
+            out[p.name] = str(value)
+    return out
 
 
 def is_set(name: str) -> bool:

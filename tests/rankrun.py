@@ -21,6 +21,9 @@ import asyncio, json, os, sys, importlib
 sys.path.insert(0, {tests!r})
 if os.environ.get("TEST_ISLANDS"):  # per-rank island labels for heterogeneous tests: "nvidia,nvidia,cpu,cpu"
     os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["HETCCL_RANK"])]
+if os.environ.get("TEST_RANK_ENV"):  # per-rank settings: {{"NAME": [rank 0's value, rank 1's, ...]}}
+    for k, vals in json.loads(os.environ["TEST_RANK_ENV"]).items():
+        os.environ[k] = vals[int(os.environ["HETCCL_RANK"])]
 import hetccl
 mod, fn = {target!r}.split(":")
 kwargs = json.loads({kwargs!r})

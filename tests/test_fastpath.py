@@ -71,3 +71,14 @@ def test_torch_backend_under_torchrun() -> None:
                HETCCL_TIMEOUT="60")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0 and proc.stdout.count("torch fast ok") == 2, proc.stdout + proc.stderr[-6000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "values"), [("HETCCL_SHM_FASTPATH_BYTES", ["0", "64K"]),
+                                              ("HETCCL_CHUNK_BYTES", ["1M", "4M"])])
+def test_settings_that_must_agree_are_refused_when_they_differ(name: str, values: list[str]) -> None:
+    """A rank with the fast path off and one with it on would wait for each other on different paths (a
+    timeout, not an answer): every rank refuses at start-up instead, naming the setting."""
+    import json
+
+    run_ranks(2, "workers:settings_disagree", env={"TEST_RANK_ENV": json.dumps({name: values})}, name=name)

@@ -602,3 +602,17 @@ async def mismatch_then_exit(comm: hetccl.Communicator, kind: str) -> None:
         os.write(1, f"mismatch-exit WRONG rank {r}: {type(exc).__name__}: {exc}\n".encode())
         raise
     raise AssertionError(f"rank {r}: mismatched collectives ({kind}) completed")
+
+
+async def settings_disagree(name: str) -> None:
+    """Ranks started with different values of a setting every rank must share: init fails on each, naming it."""
+    try:
+        comm = await hetccl.init()
+    except hetccl.ConfigError as exc:
+        assert name in str(exc) and "differs between ranks" in str(exc), exc
+        return
+    await comm.close()
+    raise AssertionError(f"ranks with different {name} were not refused")
+
+
+settings_disagree.no_init = True  # type: ignore[attr-defined]
