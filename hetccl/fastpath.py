@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import native, params
+from . import observe as _obs
 from .dtypes import _FAST as _NP_DTYPES
 from .dtypes import DType, ReduceOp, parse_op
 from .errors import HetcclError, TransportError
@@ -52,6 +53,7 @@ SAFETY_S = 0.02  # a sleeping waiter looks at lost peers and poisoned communicat
 _OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "avg": ReduceOp.AVG}
 _ALL_REDUCE = int(CollOp.ALL_REDUCE)
 _M64 = 0xFFFFFFFFFFFFFFFF
+_FAST_OPS = (CollOp.ALL_REDUCE, CollOp.BROADCAST, CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER, CollOp.BARRIER)
 NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
 
 
@@ -59,13 +61,25 @@ def limit_for(group: Any) -> int:
     """The fast path's byte limit for this group, or 0 when it cannot take the fast path."""
     limit = params.get("HETCCL_SHM_FASTPATH_BYTES")
     fab = group.fabric
-    if not limit or group.size < 2 or group._islands != 1 or not fab.topology.hosts:
+    # HETCCL_ALGO names the host algorithm to run: the fast path, which is none of them, stays out of its way
+    if not limit or group.size < 2 or group._islands != 1 or not fab.topology.hosts or group._override:
         return 0
     me = fab.rank
     if any(g != me and (fab.peer_transport.get(g) != "shm" or not fab.topology.same_host(me, g))
            for g in group.members):
         return 0
     return limit
+
+
+def takes(group: Any, fp: Fingerprint) -> bool:
+    """Whether collective fp of `group` ran on its fast path (the rule group.py applies: each rank's part, the
+    input, at most the limit): what observability reports as its algorithm."""
+    fast = getattr(group, "_fast", None)
+    if fast is None or fp.op not in _FAST_OPS:
+        return False
+    isz = DType(fp.dtype).itemsize if 0 <= fp.dtype <= 7 else 1
+    part = fp.count * isz * (group.size if fp.op == CollOp.REDUCE_SCATTER else 1)
+    return part <= fast.limit
 
 
 def _words(fp: Fingerprint) -> tuple[int, int, int, int]:
@@ -167,6 +181,12 @@ class FastPath:
             self._unlinked = True
         self.ready = False
         self.closed = True
+        for r, seg in enumerate(self.segs):  # each mapping holds a file descriptor: let go of them now
+            if seg is not None:
+                self.segs_c[r] = ffi.NULL
+                seg.close()
+        self.segs = [None] * self.n
+        self.own = None
 
     # ---- waking ---------------------------------------------------------------------------------------
     def _on_bell(self) -> None:
@@ -225,7 +245,8 @@ class FastPath:
         self.k = k + 1
         prev = self.tail
         fab = self.fabric
-        if self.ready and (prev is None or prev.done()) and not fab.poisoned and not fab.departed:
+        # observed (trace, metrics, DEBUG): through the scheduler like every collective, whose wrapper reports it
+        if self.ready and (prev is None or prev.done()) and not fab.poisoned and not fab.departed and not _obs.ON:
             segs = self.segs_c
             mask = lib.hccl_fast_post(segs, self.n, self.me, k, fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16),
                                       fp.count, fp.root & 0xFFFFFFFFFFFFFFFF,
@@ -258,7 +279,7 @@ class FastPath:
         prev = self.tail
         fab = self.fabric
         if not self.ready or (prev is not None and not prev.done()) or fab.poisoned or fab.departed \
-                or group._closed or group._aborted is not None:
+                or group._closed or group._aborted is not None or _obs.ON:
             return False
         seq = group._seq
         group._seq = (seq + 1) & 0xFFFFFFFF

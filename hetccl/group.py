@@ -193,6 +193,10 @@ class Group:
             self._fast.announce(fp)
         return fp
 
+    def fast_takes(self, fp: Fingerprint) -> bool:
+        """Whether collective fp ran on the fast path (what observability reports as its algorithm)."""
+        return fastpath.takes(self, fp)
+
     async def _fast_finish(self, fp: Fingerprint, src: Any, nbytes: int, started: Any) -> int:
         """The rest of a fast operation that FastPath.now did not end, under the scheduler (deadline, failures);
         returns its number (the caller combines the slots)."""

@@ -37,6 +37,14 @@ class Segment:
             self.mem[:] = 0  # fault the pages in now, not on the hot path (touch=False: the caller places them)
         self.waiting = ffi.cast("uint64_t *", self.cbase)
 
+    def close(self) -> None:
+        """Unmap now: the mapping holds a file descriptor until then (CPython's mmap keeps a duplicate), which a
+        process that makes and drops communicators in a loop would otherwise pile up until the collector runs.
+        No view of the segment may be used afterwards; one still held elsewhere leaves the unmapping to it."""
+        self.waiting = self.cbase = self.mem = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
     @staticmethod
     def unlink(name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

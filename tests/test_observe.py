@@ -215,6 +215,8 @@ def test_debug_logging_lines(tmp_path) -> None:
         debug = [ln for ln in lines if f":{r} DEBUG rank {r}: " in ln]
         assert len(debug) == len(json.loads((tmp_path / f"ran.rank{r}.json").read_text()))
         assert any("all_reduce #0 dtype=float32" in ln for ln in debug)
+        # small collectives of this one-host group take the shared-memory fast path, reported as such
+        assert any("all_reduce #0 dtype=float32" in ln and "B, fast) ok" in ln for ln in debug), debug
 
 
 def test_debug_env_respects_application_config(monkeypatch) -> None:

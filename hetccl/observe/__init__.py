@@ -211,7 +211,10 @@ def coll_info(comm: Any, fp: Fingerprint) -> tuple[str, int, str, str]:
     nbytes = fp.count * isz
     if fp.op in (CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER, CollOp.GATHER, CollOp.SCATTER):
         nbytes *= comm.size
-    if op in algorithms.CHOOSABLE:
+    fast = getattr(comm, "fast_takes", None)
+    if fast is not None and fast(fp):
+        algo = "fast"  # the shared-memory fast path (fastpath.py)
+    elif op in algorithms.CHOOSABLE:
         algo = comm._algo(op, nbytes)  # cached: the same call the communicator made a moment ago
     elif fp.op == CollOp.SEND_RECV:
         algo = "p2p"
