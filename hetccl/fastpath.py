@@ -24,7 +24,9 @@ Guarantees, as on the transports:
   and at close.
 Eligibility (decided the same way on every rank from the group and the call): a flat group of one island
 whose ranks all reach each other through the shm transport, host buffers, each rank's part at most
-HETCCL_SHM_FASTPATH_BYTES (0: off).
+HETCCL_SHM_FASTPATH_BYTES (0: off), and no HETCCL_ALGO (which names the host algorithm to run). With tracing,
+metrics or DEBUG logging on, every fast operation runs under the scheduler, whose wrapper reports it (its
+algorithm reads "fast").
 """
 
 from __future__ import annotations
