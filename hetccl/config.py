@@ -38,6 +38,11 @@ _RANK_SOURCES = (
 )
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _env_int(name: str, env: Mapping[str, str]) -> int:
     raw = env.get(name)
     try:

@@ -12,6 +12,7 @@ import textwrap
 def collect() -> dict[str, object]:
     import hetccl
 
+    from .config import usable_cpus
     from .transports import registry
     from .transports.base import TRANSPORT_API_VERSION
 
@@ -19,7 +20,7 @@ def collect() -> dict[str, object]:
         "hetccl": hetccl.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus": usable_cpus(),
         "transport_api": TRANSPORT_API_VERSION,
     }
     try:

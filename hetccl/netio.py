@@ -186,14 +186,9 @@ class Pump:
         """Move head (sends only) and body; (result, bytes moved). Cancelled, it stops the job and waits for the
         native thread to let go of the buffers (promptly: the stop wakes its poll) before CancelledError goes on,
         with `.moved` on the error."""
-        ffi = self._ffi
-        h = ffi.from_buffer("char[]", head) if head is not None else ffi.NULL
-        b = ffi.from_buffer("char[]", body, not send)
-        if self._p is None or self._lib.hccl_pump_submit(self._p, fd, 0 if send else 1, h,
-                                                         len(h) if head is not None else 0, b, len(b)):
+        if not self.submit(fd, send, head, body, None):
             return -9, 0  # EBADF: the pump is closed (the connection was dropped)
-        fut = self._fut = self._loop.create_future()
-        self._keep = (h, b, head, body)
+        fut = self._fut = self._loop.create_future()  # the job ends on a later loop turn (_ended), never before
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError as exc:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .. import native, params
+from ..config import usable_cpus
 from ..errors import CollectiveTimeout, PeerLostError
 from ..matching import CONTROL_TAGS, DROP
 from ..shmseg import Segment
@@ -241,8 +242,7 @@ class ShmTransport(Transport):
         self._listener = PeerListener(ctx, "shm", "shm", unix_name=f"hetccl-{ctx.job}-{ctx.rank}")
         self._wake = asyncio.Event()
         self._poller: asyncio.Task | None = None
-        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self._ncpu = ncpu
+        self._ncpu = usable_cpus()
         self.spin_ns, self.yield_ns = 50_000, 0
 
     # -- set-up ----------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import params
+from ..config import usable_cpus
 from ..dtypes import block_ranges
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
 from ..matching import DROP
@@ -33,21 +33,13 @@ LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
 def pump_bytes() -> int:
     """HETCCL_SOCKET_PUMP_BYTES, or its default for this machine's usable cores (0: never)."""
     value = params.get("HETCCL_SOCKET_PUMP_BYTES")
-    if value is not None:
-        return value
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 1 << 20 if ncpu >= 8 else 0
+    return value if value is not None else (1 << 20 if usable_cpus() >= 8 else 0)
 
 
 def lane_count() -> int:
-    """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (1 without pumps)."""
+    """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (the transport keeps 1 without pumps)."""
     value = params.get("HETCCL_SOCKET_LANES")
-    if value is not None:
-        return value
-    if not pump_bytes():
-        return 1
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 if ncpu >= 8 else 1
+    return value if value is not None else (2 if usable_cpus() >= 8 else 1)
 
 
 def _unsent(parts: list[Any], sent: int) -> bytes:
@@ -97,8 +89,8 @@ class TcpEndpoint(Endpoint):
                 if not await self._lanes_pumped(True, [hdr] + [None] * (len(lane_parts) - 1),
                                                 [p[-1] for p in lane_parts], lane_progress):
                     await self._lanes(self._lane_send, lane_parts, lane_progress)
-            elif len(src) >= self._pump_min and (pump := self._pump(0)) is not None:
-                await self._pump_send(pump, hdr, src, progress)
+            elif len(src) >= self._pump_min:
+                await self._lane_send(0, parts, progress)
             else:
                 await send_all(self.loop, self.sock, parts, self.peer, progress)
         except asyncio.CancelledError:
@@ -216,16 +208,6 @@ class TcpEndpoint(Endpoint):
         if rc:
             raise pump_error(rc, self.peer, False)
 
-    async def _pump_send(self, pump: Pump, hdr: bytes, src: np.ndarray, progress: list[int]) -> None:
-        try:
-            rc, moved = await pump.run(self.sock.fileno(), True, hdr, src)
-        except asyncio.CancelledError as exc:
-            progress[0] = getattr(exc, "moved", 0)
-            raise
-        progress[0] = moved
-        if rc:
-            raise pump_error(rc, self.peer, True)
-
     async def _recv(self, mv: memoryview) -> None:
         """Fill mv from the socket: by the receive pump when large (split over the lanes when larger), else on the
         loop."""
@@ -234,10 +216,8 @@ class TcpEndpoint(Endpoint):
             views = [mv[a:b] for a, b in cuts]
             if not await self._lanes_pumped(False, [None] * len(cuts), views, None):
                 await self._lanes(self._lane_recv, views, [None] * len(cuts))
-        elif len(mv) >= self._pump_min and (pump := self._pump(1)) is not None:
-            rc, _ = await pump.run(self.sock.fileno(), False, None, mv)
-            if rc:
-                raise pump_error(rc, self.peer, False)
+        elif len(mv) >= self._pump_min:
+            await self._lane_recv(0, mv, None)
         else:
             await recv_into_exact(self.loop, self.sock, mv, self.peer)
 
