@@ -474,26 +474,33 @@ class Fabric:
     def transport_kind(self, peers: list[int]) -> str:
         """The name of the slowest transport (declared properties: lowest bandwidth, then highest latency) that
         reaches a peer in the list: the one that sets the cost model's figures (transport_costs)."""
-        props = {t.name: t.properties for t in self.transports}
         kinds = {self.peer_transport.get(p, "tcp") for p in peers if p != self.rank}
-        known = [k for k in kinds if k in props]
-        if not known:
+        worst = self.slowest_transport(kinds)
+        if worst is None:
             return "shm" if kinds <= {"shm"} else "tcp"  # no peer (a single rank), or no fabric transport
-        worst = known[0]
-        for k in known[1:]:
-            if props[k].slower_than(props[worst]) or (props[k] == props[worst] and k < worst):
+        return worst
+
+    def slowest_transport(self, names: set[str]) -> str | None:
+        """Of these transport names, the slowest this fabric has (declared properties: lowest bandwidth, then
+        highest latency; ties to the first name, so every rank picks alike); None when it has none of them."""
+        props = {t.name: t.properties for t in self.transports}
+        worst = None
+        for k in sorted(n for n in names if n in props):
+            if worst is None or props[k].slower_than(props[worst]):
                 worst = k
         return worst
 
-    def transport_costs(self, peers: list[int]) -> LinkCosts:
-        """The cost model's constants for a communicator over these peers, from what its slowest transport
-        declares (`TransportProperties`); a built-in's reference figures when no transport reaches them."""
-        kind = self.transport_kind(peers)
+    def costs_of(self, kind: str) -> LinkCosts:
+        """The cost model's constants of transport `kind`: what it declares (`TransportProperties`), or a
+        built-in's reference figures when this fabric does not have it."""
         for t in self.transports:
             if t.name == kind:
-                p = t.properties
-                return LinkCosts.of(p.latency_us, p.ring_step_us, p.bandwidth_gb_s)
+                return LinkCosts.declared(t.properties)
         return COSTS.get(kind, COSTS["tcp"])
+
+    def transport_costs(self, peers: list[int]) -> LinkCosts:
+        """The cost model's constants for a communicator over these peers: its slowest transport's."""
+        return self.costs_of(self.transport_kind(peers))
 
     async def close(self, graceful: bool = True, barrier_s: float | None = None) -> None:
         if self.closed:

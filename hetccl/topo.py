@@ -28,15 +28,10 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
     choices = [await fab.store.get(f"{fab.job}/topo/{r}") for r in range(fab.size)]
     override = algorithms.parse_override(fab.settings.algo)
     world_kind = fab.transport_kind(list(range(fab.size)))
-    world_costs = fab.transport_costs(list(range(fab.size)))
-    by_name = {t.name: t.properties for t in fab.transports}
+    world_costs = fab.costs_of(world_kind)
 
     def pair_costs(ta: str, tb: str) -> Any:  # the slower of the two sides' declared figures
-        known = [by_name[t] for t in (ta, tb) if t in by_name]
-        if not known:
-            return "tcp"
-        p = known[0] if len(known) == 1 or not known[1].slower_than(known[0]) else known[1]
-        return algorithms.LinkCosts.of(p.latency_us, p.ring_step_us, p.bandwidth_gb_s)
+        return fab.costs_of(fab.slowest_transport({ta, tb}) or "tcp")
 
     pairs = []
     for a in range(fab.size):

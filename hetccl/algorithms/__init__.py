@@ -13,7 +13,7 @@ either globally (`ring`, `latency`) or per collective (`all_reduce=ring,broadcas
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 
@@ -41,6 +41,11 @@ class LinkCosts(NamedTuple):
     def of(cls, latency_us: float, ring_step_us: float, bandwidth_gb_s: float) -> LinkCosts:
         """From a transport's declared figures (`transports.base.TransportProperties`)."""
         return cls(ring_step_us / 1e6, latency_us / 1e6, 1 / (bandwidth_gb_s * 1e9), REDUCE_S_PER_BYTE)
+
+    @classmethod
+    def declared(cls, props: Any) -> LinkCosts:
+        """From a transport's `TransportProperties`."""
+        return cls.of(props.latency_us, props.ring_step_us, props.bandwidth_gb_s)
 
 
 # The figures the built-in transports declare (shm: ShmTransport.properties, tcp: TcpTransport.properties;

@@ -189,7 +189,7 @@ def init_summary(fab: Fabric) -> str:
         by.setdefault(t, []).append(p)
     peers = " ".join(f"{','.join(rank_ranges(ps))}:{t}" for t, ps in sorted(by.items())) or "none"
     kind = fab.transport_kind(list(range(size)))
-    costs = fab.transport_costs(list(range(size)))
+    costs = fab.costs_of(kind)
     override = algorithms.parse_override(fab.settings.algo)
     algos = " ".join(f"{op}={crossover(op, size, costs, override)}" for op in algorithms.CHOOSABLE)
     return (f"init rank {rank}/{size} host {rec.get('hostname', socket.gethostname())} local "

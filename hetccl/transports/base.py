@@ -69,8 +69,12 @@ class TransportProperties:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ValueError(f"TransportProperties.{f} must be a positive number, not {v!r}")
 
+    def speed(self) -> tuple[float, float]:
+        """The order transports are compared in: bandwidth first, then the lower latency."""
+        return self.bandwidth_gb_s, -self.latency_us
+
     def slower_than(self, other: TransportProperties) -> bool:
-        return (self.bandwidth_gb_s, -self.latency_us) < (other.bandwidth_gb_s, -other.latency_us)
+        return self.speed() < other.speed()
 
     def describe(self) -> str:
         flags = [f for f in ("same_host_only", "device_memory", "registers_memory") if getattr(self, f)]

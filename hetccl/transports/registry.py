@@ -144,4 +144,4 @@ def device_link(leaders: int) -> type[DeviceLink] | None:
     fits = [c for c in links().values()
             if c.properties.device_memory and c.min_ranks <= leaders <= (c.max_ranks or leaders)
             and c.unavailable_reason() is None]
-    return max(fits, key=lambda c: (c.properties.bandwidth_gb_s, -c.properties.latency_us), default=None)
+    return max(fits, key=lambda c: c.properties.speed(), default=None)
