@@ -152,20 +152,20 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
 async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
     """The zero-copy link when every island leader holds a GPU and all share one host: the pair link for two
     leaders, the ring for more; else None (decided from the layout alone, so every leader agrees)."""
-    if lay.link is not None:  # decided already: every input below is fixed for the layout
-        return lay.link or None
     leaders = lay.leaders
     link_cls = registry.device_link(leaders.size) if leaders.size >= 2 else None  # from what the links declare
+    if link_cls is None:
+        return None
     g = leaders.members
     fab = group.fabric
-    if link_cls is None or not all(fab.topology.same_host(g[0], x) for x in g[1:]) or \
-            any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
-        lay.link = False  # no link joins these leaders (other hosts, a CPU leader, the link off)
+    if not all(fab.topology.same_host(g[0], x) for x in g[1:]):
         return None
-    if link_cls is ringlink.RingLink:
+    if any(vendor_of(fab.records[x].get("island", "cpu")) is None for x in g):
+        return None
+    if lay.link is None and link_cls is ringlink.RingLink:
         ring = await ringlink.RingLink.create(leaders, t.device, staging.STAGE_CHUNK, group.settings.timeout)
         lay.link = ring if ring is not None else False
-    else:
+    elif lay.link is None:
         need = pairlink.segment_bytes(staging.STAGE_CHUNK)
         room = np.array([1 if pairlink.shm_room(need) else 0], dtype=np.int32)
         await leaders.flat_all_reduce(as_buf(room), ReduceOp.MIN)  # both leaders take the same path
@@ -176,7 +176,9 @@ async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
             log.warning("hetccl: /dev/shm cannot hold the zero-copy cross-island link (%d MiB); staging through "
                         "hetccl's transports instead (enlarge /dev/shm, or lower HETCCL_STAGE_BYTES)", need >> 20)
             lay.link = False
-    return lay.link or None
+    if lay.link is False:
+        return None
+    return lay.link
 
 
 class _View:
