@@ -53,8 +53,7 @@ _CHARS = "char[]"
 DATA_OFF = 4096  # the data of a slot, after its header page
 SAFETY_S = 0.02  # a sleeping waiter looks at lost peers and poisoned communicators at least this often
 _OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "avg": ReduceOp.AVG}
-_ALL_REDUCE = int(CollOp.ALL_REDUCE)
-_M64 = 0xFFFFFFFFFFFFFFFF
+_ALL_REDUCE = int(CollOp.ALL_REDUCE)  # 1, as hccl_fast_all_reduce writes it
 _FAST_OPS = (CollOp.ALL_REDUCE, CollOp.BROADCAST, CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER, CollOp.BARRIER)
 NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
 
@@ -121,6 +120,7 @@ class FastPath:
         self.sock: socket.socket | None = None
         self.addrs = [f"\0hetccl-{fab.job}-fastbell-{self.comm_id:x}-{g}" for g in group.members]
         self._wake: asyncio.Future[None] | None = None
+        self._mask = ffi.new("uint64_t[1]")  # which peers sleep, from hccl_fast_all_reduce
         self._unlinked = False
 
     # ---- set-up (the first fast operation, on every rank) --------------------------------------------
@@ -288,18 +288,14 @@ class FastPath:
         k = self.k
         self.k = k + 1
         count = arr.size
-        segs = self.segs_c
-        ptr = _from_buffer(_CHARS, arr, True)
-        mask = lib.hccl_fast_post(segs, self.n, self.me, k, seq, _ALL_REDUCE | (dt << 8) | (rop << 16), count, _M64,
-                                  ptr, nbytes)
-        if mask:
-            self._ring(mask)
-        if lib.hccl_fast_wait(segs, self.n, self.me, k, self.spin_ns, self.yield_ns) == -1:
-            if lib.hccl_fast_reduce(ptr, segs, self.n, k, 0, count, dt, 0 if rop == ReduceOp.AVG else rop):
-                raise HetcclError(f"native reduce refused dtype {dt!r} op {rop!r}")
-            if rop == ReduceOp.AVG:
-                native.divide(arr.reshape(-1).view(np.uint8), dt, self.n)
+        r = lib.hccl_fast_all_reduce(self.segs_c, self.n, self.me, k, seq, count, _from_buffer(_CHARS, arr, True),
+                                     dt, rop, self.spin_ns, self.yield_ns, self._mask)
+        if r == -1:
             return True
+        if r == -4:
+            raise HetcclError(f"native reduce refused dtype {dt!r} op {rop!r}")
+        if r == -3:  # posted; some peers sleep: wake them, then wait as any operation that went async does
+            self._ring(self._mask[0])
         fp = Fingerprint(self.comm_id, seq, _ALL_REDUCE, int(dt), count, -1, int(rop))
         mine = self.tail = asyncio.get_running_loop().create_future()
         return self._all_reduce_rest(group, fp, arr, (POSTED, k, prev, mine))

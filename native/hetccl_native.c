@@ -930,6 +930,28 @@ int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, s
     return 0;
 }
 
+/* post, wait and combine in one call: what a small all_reduce costs when its peers are already there is
+ * mostly the crossings between Python and C, so the common case makes one */
+int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, uint64_t count, void *buf,
+                         int dtype, int op, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask)
+{
+    size_t isz = hccl_dtype_size(dtype);
+    if (!isz || op < 0 || op > 4)
+        return -4;
+    uint64_t w1 = 1 /* CollOp.ALL_REDUCE */ | ((uint64_t)dtype << 8) | ((uint64_t)op << 16);
+    *mask = hccl_fast_post(segs, n, me, k, seq, w1, count, ~(uint64_t)0, buf, count * isz);
+    if (*mask)
+        return -3;
+    int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
+    if (r != -1)
+        return r;
+    if (hccl_fast_reduce(buf, segs, n, k, 0, count, dtype, op == 4 ? 0 : op))
+        return -4;
+    if (op == 4 && hccl_div(buf, count, dtype, n))
+        return -4;
+    return -1;
+}
+
 /* ------------------------------------------------------------------------------------------------ */
 /* build info                                                                                        */
 /* ------------------------------------------------------------------------------------------------ */

@@ -97,6 +97,13 @@ void hccl_fast_announce(char *seg, uint64_t w0, uint64_t w1, uint64_t w2, uint64
 /* dst = the reduction, in rank order, of the n ranks' data of operation k (count elements from byte
  * `offset` of each slot). Returns 0, or -1 for an unknown dtype/op. */
 int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, size_t count, int dtype, int op);
+/* One small all_reduce in place (w3 of its fingerprint is -1, op 4 is avg): post `buf` as operation k with
+ * sequence number `seq`, then, unless a peer sleeps, wait as hccl_fast_wait and reduce into buf. Returns -1:
+ * done; -3: posted, but the peers in *mask sleep (wake them, then hccl_fast_wait and hccl_fast_reduce);
+ * -2: posted, the wait ran out; r >= 0: posted, rank r disagrees; -4: unknown dtype or op (nothing posted
+ * when the dtype or op code is out of range). */
+int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, uint64_t count, void *buf,
+                         int dtype, int op, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask);
 /* monotonic clock (CLOCK_MONOTONIC) in nanoseconds */
 uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which
