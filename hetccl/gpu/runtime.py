@@ -203,7 +203,7 @@ _POOL_KEEP = 4  # idle sets kept per (kind, device, slots)
 
 @contextlib.contextmanager
 def lease(kind: str, device: Any, nbytes: int, slots: int) -> Iterator[list[Any]]:
-    """`slots` buffers of at least `nbytes` for one operation: pinned host memory (kind "pinned") or device memory
+    """`slots` buffers of exactly `nbytes` for one operation: pinned host memory (kind "pinned") or device memory
     ("device"). Several operations in flight each hold their own (pinned allocation costs milliseconds, so
     released sets are kept for the next operation). A set whose operation failed is not reused: copies
     may still be queued on it, and torch's allocator frees it only once they are done."""
@@ -220,7 +220,9 @@ def lease(kind: str, device: Any, nbytes: int, slots: int) -> Iterator[list[Any]
             bufs = [torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
         else:
             bufs = [torch.empty(max(nbytes, 1), dtype=torch.uint8, device=index) for _ in range(slots)]
-    yield bufs  # an exception here skips the return to the pool
+    # views of the size asked for: a pooled set may be larger, and a caller's .view(dtype) needs a whole number of
+    # its elements (a set left by a float32 call of 100003 elements cannot be viewed as int64)
+    yield [b[:nbytes] for b in bufs]  # an exception here skips the return to the pool
     with _POOL_LOCK:
         if len(free) < _POOL_KEEP:
             free.append(bufs)
