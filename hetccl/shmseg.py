@@ -25,6 +25,13 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                try:  # take the pages now: a full /dev/shm is this error, not a SIGBUS on first touch
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise TransportError(f"/dev/shm cannot hold shared segment {name} ({size >> 10} KiB): "
+                                         f"{exc.strerror}; enlarge /dev/shm (docker: --shm-size) or lower the "
+                                         "HETCCL_SHM_* sizes") from None
             elif os.fstat(fd).st_size != size:
                 raise TransportError(f"shared segment {path} has size {os.fstat(fd).st_size}, expected {size}; "
                                      "do all local ranks use the same HETCCL_SHM_* settings?")
