@@ -130,11 +130,12 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
         elif small:
             await staging.small_all_reduce(lay.leaders, t, inner, stream, _deadline(group))
         else:
-            # every leader a GPU: reduce on the devices, three or more leaders in a ring (2(k-1)/k of the buffer
-            # each), two by gathering each chunk (the same bytes, half the device round trips); a CPU leader
-            # reduces on the host anyway, and then every leader runs the host all_reduce (the same collectives)
+            # every leader a GPU: reduce on the devices in a ring (2(k-1)/k of the buffer each; with two leaders
+            # the same bytes as gathering each chunk, but its chains overlap the copies and the wire better); a
+            # CPU leader reduces on the host anyway, and then every leader runs the host all_reduce (the same
+            # collectives)
             on_device = all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
-            if on_device and lay.leaders.size > 2 and staging.DEVICE_RING:
+            if on_device and staging.DEVICE_RING:
                 await lay.leaders.flat_device_ring_all_reduce(b, inner)
             else:
                 await staging.staged_all_reduce(lay.leaders, t, inner, stream, _deadline(group), on_device)

@@ -305,7 +305,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        lo=2, hi=4096),
     _P("HETCCL_STAGE_BYTES", "size", 4 << 20, "cross-island chunk (pipeline and link slot size)",
        "hetccl.gpu.staging", lo=4096, agree=True),
-    _P("HETCCL_STAGED_RING", "bool", True, "`0`: three or more GPU island leaders that no zero-copy link joins "
+    _P("HETCCL_STAGED_RING", "bool", True, "`0`: GPU island leaders that no zero-copy link joins "
        "all-gather each staged chunk and reduce it locally instead of running a ring reduced on the devices",
        "hetccl.gpu.staging", agree=True),
     _P("HETCCL_CROSS_SMALL_BYTES", "size", 256 << 10, "cross-island all_reduces up to this size go through host "

@@ -1,10 +1,11 @@
 """Ring all_reduce of device memory over the host transports: reduce-scatter then all-gather, each block
 staged through pinned host memory and reduced on the device.
 
-It serves three or more GPU leaders that no zero-copy link joins (other hosts). Each leader moves 2(k-1)/k
-of the buffer, against k-1 when every chunk is all-gathered and reduced locally (gpu/staging.py, which two
-leaders keep: there both move the same bytes and the all-gather makes one device round trip per chunk, not
-two). GPU data is never reduced on the host CPU.
+It serves GPU leaders that no zero-copy link joins (other hosts, or the link turned off). Each leader moves
+2(k-1)/k of the buffer, against k-1 when every chunk is all-gathered and reduced locally (gpu/staging.py,
+HETCCL_STAGED_RING=0). Two leaders move the same bytes either way, and the ring is still faster over TCP (its
+chains overlap copies and the wire: 64 MiB on one H200, 3.1 vs 1.8 GB/s; shm even,
+benchmarks/results/gpu-cross-hosts-2026-12-01.md). GPU data is never reduced on the host CPU.
 
 As in ring.py, the buffer is cut into k blocks and each block into chunks; chunk c of every block runs on its
 own chain (reduce-scatter steps, then all-gather steps), and a few chains run at once, each on its own pinned
