@@ -121,13 +121,14 @@ def _ddp_losses(tmp_path, backend: str, hook: str, env: dict[str, str]) -> list[
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
 
 
-@needs_2
+@needs_1
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path,hook", [(p, "none") for p in sorted(PATHS)] +
                          [("link", h) for h in ("allreduce", "bf16", "fp16")])
 def test_two_islands_ddp_matches_nccl(tmp_path, path, hook):
-    """DDP (several buckets in flight) over two islands gives NCCL's losses (the crash seen on every path)."""
-    want = _ddp_losses(tmp_path, "nccl", hook, CUDA_ENV)
+    """DDP (several buckets in flight) over two islands gives NCCL's losses (the crash seen on every path); with
+    one GPU, where NCCL cannot hold both ranks, both islands share it and Gloo gives the reference."""
+    want = _ddp_losses(tmp_path, REFERENCE, hook, CUDA_ENV)
     got = _ddp_losses(tmp_path, "hetccl", hook, {**TWO_ISLANDS, **PATHS[path]})
     for r in range(2):
         close(got[r], want[r], 1e-5, f"rank {r} DDP losses over two islands ({path}, hook {hook})")
