@@ -26,7 +26,9 @@ asyncio.run(main())
 """
 
 
-def _in_small_shm(size: str, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _two_ranks_in_small_shm(tmp_path, size: str) -> tuple[int, str]:
+    """SCRIPT on 2 ranks (`hetccl run`) in a mount namespace whose /dev/shm is a tmpfs of `size`: exit code and
+    output."""
     unshare = shutil.which("unshare")
     if unshare is None:
         pytest.skip("no unshare(1)")
@@ -34,9 +36,14 @@ def _in_small_shm(size: str, argv: list[str], env: dict[str, str]) -> subprocess
                            capture_output=True, text=True, timeout=30)
     if probe.returncode:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace: {probe.stderr.strip()}")
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HETCCL_TIMEOUT="20", HETCCL_SHM_FASTPATH_BYTES="1M")
     cmd = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$@\""
-    return subprocess.run([unshare, "-m", "sh", "-c", cmd, "sh", *argv], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
+    proc = subprocess.run([unshare, "-m", "sh", "-c", cmd, "sh", sys.executable, "-m", "hetccl", "run", "-n", "2",
+                           "--", sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(150)
@@ -44,13 +51,8 @@ def _in_small_shm(size: str, argv: list[str], env: dict[str, str]) -> subprocess
 def test_full_dev_shm_is_a_clear_error(tmp_path, size: str, segment: str) -> None:
     """3 MiB: the shm transport's rings do not fit; 11 MiB: they do, and the fast path's segment of the
     second rank does not. Either way a rank exits 1 with the TransportError naming /dev/shm."""
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HETCCL_TIMEOUT="20", HETCCL_SHM_FASTPATH_BYTES="1M")
-    proc = _in_small_shm(size, [sys.executable, "-m", "hetccl", "run", "-n", "2", "--", sys.executable,
-                                str(script)], env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]
+    rc, out = _two_ranks_in_small_shm(tmp_path, size)
+    assert rc == 1, out[-3000:]
     assert "/dev/shm cannot hold shared segment" in out and segment in out, out[-3000:]
     assert f"signal {int(signal.SIGBUS)}" not in out and "SIGBUS" not in out, out[-3000:]
 
@@ -59,10 +61,5 @@ def test_full_dev_shm_is_a_clear_error(tmp_path, size: str, segment: str) -> Non
 def test_enough_dev_shm_runs(tmp_path) -> None:
     """The same job in a tmpfs large enough for both ranks' rings and fast-path segments runs: the check
     refuses only what does not fit."""
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HETCCL_TIMEOUT="20", HETCCL_SHM_FASTPATH_BYTES="1M")
-    proc = _in_small_shm("16m", [sys.executable, "-m", "hetccl", "run", "-n", "2", "--", sys.executable,
-                                 str(script)], env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and out.count("all_reduce ok") == 2, out[-3000:]
+    rc, out = _two_ranks_in_small_shm(tmp_path, "16m")
+    assert rc == 0 and out.count("all_reduce ok") == 2, out[-3000:]
