@@ -31,7 +31,7 @@ import numpy as np
 
 from . import observe, params
 from .algorithms import COSTS, LinkCosts
-from .config import Identity, Settings, island_label
+from .config import DEFAULT_CHUNK_BYTES, Identity, Settings, island_label
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -497,6 +497,16 @@ class Fabric:
             if t.name == kind:
                 return LinkCosts.declared(t.properties)
         return COSTS.get(kind, COSTS["tcp"])
+
+    def ring_chunk(self, peers: list[int]) -> int:
+        """The ring pipeline chunk of a communicator over these peers: HETCCL_CHUNK_BYTES, else what its slowest
+        transport declares (`TransportProperties.ring_chunk_bytes`), else DEFAULT_CHUNK_BYTES. Every rank of the
+        communicator finds the same slowest transport, as for the cost model, so they cut alike."""
+        if self.settings.chunk_bytes is not None:
+            return self.settings.chunk_bytes
+        kind = self.transport_kind(peers)
+        declared = next((t.properties.ring_chunk_bytes for t in self.transports if t.name == kind), 0)
+        return declared or DEFAULT_CHUNK_BYTES
 
     def transport_costs(self, peers: list[int]) -> LinkCosts:
         """The cost model's constants for a communicator over these peers: its slowest transport's."""

@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .params import DEFAULT_WAIT_NOTICE, parse_size  # noqa: F401  (config's names: callers import them here)
 
 DEFAULT_TIMEOUT_S: float = params.TABLE["HETCCL_TIMEOUT"].default
-DEFAULT_CHUNK_BYTES: int = params.TABLE["HETCCL_CHUNK_BYTES"].default
+DEFAULT_CHUNK_BYTES = 1 << 20  # the ring chunk when neither HETCCL_CHUNK_BYTES nor the slowest transport says
 DEFAULT_PORT = 0  # never a fixed port: the launcher picks a free one
 
 # the rank variables: who this process is and where the job meets. Not settings (hetccl/params.py): the
@@ -210,7 +210,7 @@ class Settings:
     environment are the parameters of hetccl/params.py that name a ``field`` (their defaults come from there)."""
 
     timeout: float = _default("HETCCL_TIMEOUT")
-    chunk_bytes: int = _default("HETCCL_CHUNK_BYTES")
+    chunk_bytes: int | None = _default("HETCCL_CHUNK_BYTES")  # None: the slowest transport's (Fabric.ring_chunk)
     algo: str | None = _default("HETCCL_ALGO")
     transports: list[str] | None = _default("HETCCL_TRANSPORTS")
     secret: bytes = b""  # HETCCL_SECRET, or hetccl.init(secret=...)

@@ -230,8 +230,9 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_ALGO", "str", None, "`ring` or `latency` (aliases `tree`, `rd`) for every collective, or per op: "
        "`all_reduce=ring,broadcast=tree`", "hetccl.algorithms", field="algo", parse=_lower, shown="cost model",
        agree=True),
-    _P("HETCCL_CHUNK_BYTES", "size", 1 << 20, "pipeline chunk of the ring algorithms", "hetccl.algorithms.ring",
-       lo=4096, field="chunk_bytes", agree=True),
+    _P("HETCCL_CHUNK_BYTES", "size", None, "pipeline chunk of the ring algorithms", "hetccl.algorithms.ring",
+       lo=4096, field="chunk_bytes", agree=True,
+       shown="the chunk the communicator's slowest transport declares: 4M over TCP, 1M over shm and verbs"),
     _P("HETCCL_SOCKET_PUMP_BYTES", "size", None, "TCP payloads of at least this many bytes are sent and received "
        "by native threads (one per direction and peer) instead of the event loop, so a ring step's send and "
        "receive copy on two cores at once; 0 = never", "hetccl.transports.tcp",
@@ -240,7 +241,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "`HETCCL_SOCKET_PUMP_BYTES` is split over all of them, each moved by its own pump threads (one connection "
        "tops out at ~2 GB/s each way on loopback); the two ranks use the smaller of their values",
        "hetccl.transports.tcp",
-       lo=1, hi=16, shown="2 with 8 or more usable cores, else 1 (and 1 when the pumps are off)"),
+       lo=1, hi=16, shown="3 with 8 or more usable cores, else 1 (and 1 when the pumps are off)"),
     _P("HETCCL_BIND_ADDR", "str", None, "address data listeners bind to", "hetccl.netio", field="bind_addr",
        shown="the local address that routes to `HETCCL_ADDR`"),
     _P("HETCCL_SOCKET_IFNAME", "str", None, "network interface whose IPv4 address the listeners bind to (like "

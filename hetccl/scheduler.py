@@ -33,6 +33,7 @@ class GroupView(Protocol):
     comm_id: int
     rank: int  # this rank, in group ranks
     size: int
+    chunk_bytes: int  # the ring pipeline chunk (Fabric.ring_chunk)
 
     @property
     def fabric(self) -> Fabric: ...
@@ -105,7 +106,7 @@ class CollCtx:
         self.rank, self.size = comm.rank, comm.size
         self.eps = comm.peers
         self.dtype, self.op = dtype, op
-        self.chunk_bytes = comm.settings.chunk_bytes
+        self.chunk_bytes = comm.chunk_bytes
         self.reducer = _reducer(dtype, op) if op is not None else None
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:

@@ -50,7 +50,7 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
                    "local_rank": fab.topology.local_rank(r)} for r, rec in enumerate(fab.records)],
         "islands": islands,
         "pairs": pairs,
-        "world": {"kind": world_kind, "chunk_bytes": fab.settings.chunk_bytes,
+        "world": {"kind": world_kind, "chunk_bytes": fab.ring_chunk(list(range(fab.size))),
                   "algorithms": {op: crossover(op, fab.size, world_costs, override) for op in algorithms.CHOOSABLE}},
     }
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from hetccl.algorithms import CHOOSABLE, LATENCY, RING, choose, estimate, parse_override
 from hetccl.config import (
-    DEFAULT_CHUNK_BYTES,
     DEFAULT_TIMEOUT_S,
     Identity,
     Settings,
@@ -274,7 +273,7 @@ def test_init_addr_without_a_port_says_so(monkeypatch) -> None:
 
 def test_settings_defaults() -> None:
     s = Settings.from_env({})
-    assert s.timeout == DEFAULT_TIMEOUT_S and s.chunk_bytes == DEFAULT_CHUNK_BYTES
+    assert s.timeout == DEFAULT_TIMEOUT_S and s.chunk_bytes is None
     assert s.algo is None and s.transports is None and s.secret == b"" and s.bind_addr is None
 
 

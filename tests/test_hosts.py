@@ -109,6 +109,37 @@ def test_two_hosts_on_one_machine(transports):
               ops=["sum", "max", "avg"])
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", [None, "64K"])
+def test_ring_chunk_is_the_slowest_transports(setting):
+    """The ring chunk of a communicator is what its slowest transport declares (tcp 4 MiB across the two hosts,
+    shm 1 MiB inside one) unless HETCCL_CHUNK_BYTES says otherwise; a ring all_reduce of several chunks per
+    block is exact with it."""
+    env = {"HETCCL_HOST": ",".join(HOSTS), "HETCCL_ALGO": "ring"}
+    if setting:
+        env["HETCCL_CHUNK_BYTES"] = setting
+    run_ranks(4, "test_hosts:ring_chunks", env=env, timeout=110, setting=setting)
+
+
+async def ring_chunks(comm, setting) -> None:
+    """(In the rank processes.)"""
+    import numpy as np
+
+    from hetccl.params import parse_size
+
+    world, local = (parse_size(setting),) * 2 if setting else (4 << 20, 1 << 20)
+    assert comm.chunk_bytes == world, comm.chunk_bytes
+    sub = await comm.split(HOSTS.index(HOSTS[comm.rank]))
+    assert sub.chunk_bytes == local, sub.chunk_bytes
+    count = 2 * world + 12345  # over 4 ranks: blocks of 2 chunks of `world` bytes and a rest
+    for c in (comm, sub):
+        x = np.arange(count, dtype=np.float32) % 1000 + c.rank
+        await c.all_reduce(x)
+        expect = (np.arange(count, dtype=np.float32) % 1000) * c.size + sum(range(c.size))
+        assert np.array_equal(x, expect)
+    await sub.close()
+
+
 @pytest.mark.timeout(90)
 def test_topo_shows_the_hosts():
     proc = _hetccl("run", "-n", "4", "--no-tag-output", "--", sys.executable, "-c", TOPO_RANK, "topo", "--json",
@@ -121,7 +152,7 @@ def test_topo_shows_the_hosts():
     for p in topo["pairs"]:
         same = HOSTS[p["a"]] == HOSTS[p["b"]]
         assert p["same_host"] == same and p["transport"] == ("shm" if same else "tcp"), p
-    assert topo["world"]["kind"] == "tcp"
+    assert topo["world"]["kind"] == "tcp" and topo["world"]["chunk_bytes"] == 4 << 20  # tcp's declared chunk
     proc = _hetccl("run", "-n", "4", "--", sys.executable, "-c", TOPO_RANK, "topo",
                    env={"HETCCL_HOST": "a,a,b,b", "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -175,7 +175,7 @@ def test_settings_in_code_over_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert Settings.build(timeout=3).timeout == 3.0
     given = Settings(timeout=5.0)
     built = Settings.build(given, secret=b"k")
-    assert built.timeout == 5.0 and built.chunk_bytes == 1 << 20 and built.secret == b"k"  # a Settings: as given
+    assert built.timeout == 5.0 and built.chunk_bytes is None and built.secret == b"k"  # a Settings: as given
     assert given.secret == b""  # not changed in place
 
 
@@ -218,7 +218,9 @@ def test_settings_in_effect() -> None:
     assert got["HETCCL_TIMEOUT"] == {"source": "environment", "value": 9.0}
     assert got["HETCCL_SECRET"] == {"source": "environment", "value": "(set)"}  # never printed
     assert "between 2 and 4096" in got["HETCCL_SHM_SLOTS"]["error"]
-    assert got["HETCCL_CHUNK_BYTES"] == {"source": "default", "value": "1M"}
+    assert got["HETCCL_CHUNK_BYTES"]["source"] == "default"
+    assert "4M over TCP" in got["HETCCL_CHUNK_BYTES"]["value"]  # no fixed default: the transport's (shown)
+    assert got["HETCCL_FLIGHT_RECORDS"]["source"] == "default"
     assert set(got) == set(params.TABLE)
 
 

@@ -195,7 +195,7 @@ def init_summary(fab: Fabric) -> str:
     return (f"init rank {rank}/{size} host {rec.get('hostname', socket.gethostname())} local "
             f"{fab.topology.local_rank(rank)}/{len(fab.topology.local_ranks(rank))} "
             f"island {rec.get('island', island_label())}; peers {peers}; "
-            f"algorithms ({kind}, chunk {fmt_bytes(fab.settings.chunk_bytes)}): {algos}")
+            f"algorithms ({kind}, chunk {fmt_bytes(fab.ring_chunk(list(range(size))))}): {algos}")
 
 
 # ---- hooks on the data path (only reached when ON) ----------------------------------------------------------

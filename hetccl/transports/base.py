@@ -53,6 +53,9 @@ class TransportProperties:
     - `device_memory`: moves device (GPU) buffers itself (the zero-copy links; `registry.device_link` reads it).
     - `registers_memory`: registers buffers with a NIC (RDMA); it does so itself, on first use, through a cache
       (informational: no core decision depends on it).
+    - `ring_chunk_bytes`: the ring pipeline chunk it wants while HETCCL_CHUNK_BYTES is unset (0: the 1 MiB
+      default). A transport whose every frame costs much (TCP: framing, matching and pump hand-offs) moves
+      more per frame; the slowest transport of a communicator sets it, so every rank cuts alike.
     `hetccl info` prints every field.
     """
 
@@ -62,12 +65,17 @@ class TransportProperties:
     same_host_only: bool = False
     device_memory: bool = False
     registers_memory: bool = False
+    ring_chunk_bytes: int = 0
 
     def __post_init__(self) -> None:
         for f in ("latency_us", "ring_step_us", "bandwidth_gb_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ValueError(f"TransportProperties.{f} must be a positive number, not {v!r}")
+        v = self.ring_chunk_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or not (v == 0 or 4096 <= v <= 1 << 30):
+            raise ValueError(f"TransportProperties.ring_chunk_bytes must be 0 (the default chunk) or 4096..1 GiB "
+                             f"bytes, not {v!r}")
 
     def speed(self) -> tuple[float, float]:
         """The order transports are compared in: bandwidth first, then the lower latency."""
@@ -78,7 +86,8 @@ class TransportProperties:
 
     def describe(self) -> str:
         flags = [f for f in ("same_host_only", "device_memory", "registers_memory") if getattr(self, f)]
-        return (f"{self.latency_us:g} us, ring step {self.ring_step_us:g} us, {self.bandwidth_gb_s:g} GB/s"
+        chunk = f", ring chunk {self.ring_chunk_bytes >> 10} KiB" if self.ring_chunk_bytes else ""
+        return (f"{self.latency_us:g} us, ring step {self.ring_step_us:g} us, {self.bandwidth_gb_s:g} GB/s{chunk}"
                 + "".join(f", {f.replace('_', ' ')}" for f in flags))
 
 

@@ -39,7 +39,7 @@ def pump_bytes() -> int:
 def lane_count() -> int:
     """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (the transport keeps 1 without pumps)."""
     value = params.get("HETCCL_SOCKET_LANES")
-    return value if value is not None else (2 if usable_cpus() >= 8 else 1)
+    return value if value is not None else (3 if usable_cpus() >= 8 else 1)
 
 
 def _unsent(parts: list[Any], sent: int) -> bytes:
@@ -354,8 +354,10 @@ class TcpEndpoint(Endpoint):
 class TcpTransport(Transport):
     name = "tcp"
     api_version = 2
-    # calibrated with `hetccl bench` on a 2-core host (README): its ring steps pay per-chunk task overhead
-    properties = TransportProperties(latency_us=20, ring_step_us=18, bandwidth_gb_s=2)
+    # calibrated with `hetccl bench` on a 2-core host (README): its ring steps pay per-chunk task overhead.
+    # 4 MiB ring chunks: each frame costs ~70 us of framing, matching and pump hand-offs, which at 1 MiB held a
+    # 64 MiB all_reduce at 2.9 GB/s on 16 cores against 3.5 GB/s (benchmarks/results/tcp-chunk-2026-12-01.md)
+    properties = TransportProperties(latency_us=20, ring_step_us=18, bandwidth_gb_s=2, ring_chunk_bytes=4 << 20)
     priority = 10
 
     def __init__(self, ctx: TransportContext):
