@@ -498,15 +498,16 @@ class Fabric:
                 return LinkCosts.declared(t.properties)
         return COSTS.get(kind, COSTS["tcp"])
 
-    def ring_chunk(self, peers: list[int]) -> int:
-        """The ring pipeline chunk of a communicator over these peers: HETCCL_CHUNK_BYTES, else what its slowest
-        transport declares (`TransportProperties.ring_chunk_bytes`), else DEFAULT_CHUNK_BYTES. Every rank of the
+    def ring_chunk(self, peers: list[int]) -> tuple[int, int]:
+        """The ring pipeline chunk of a communicator over these peers, smallest and largest (a large block grows
+        its chunk: scheduler.CollCtx.num_chunks): HETCCL_CHUNK_BYTES alone when set; else DEFAULT_CHUNK_BYTES up
+        to what its slowest transport declares (`TransportProperties.ring_chunk_bytes`). Every rank of the
         communicator finds the same slowest transport, as for the cost model, so they cut alike."""
         if self.settings.chunk_bytes is not None:
-            return self.settings.chunk_bytes
+            return self.settings.chunk_bytes, self.settings.chunk_bytes
         kind = self.transport_kind(peers)
         declared = next((t.properties.ring_chunk_bytes for t in self.transports if t.name == kind), 0)
-        return declared or DEFAULT_CHUNK_BYTES
+        return DEFAULT_CHUNK_BYTES, max(DEFAULT_CHUNK_BYTES, declared)
 
     def transport_costs(self, peers: list[int]) -> LinkCosts:
         """The cost model's constants for a communicator over these peers: its slowest transport's."""

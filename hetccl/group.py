@@ -114,7 +114,7 @@ class Group:
         self._pool = ScratchPool()
         self._override = algorithms.parse_override(self._settings.algo)
         self._kind = fabric.transport_costs(members)  # the declared figures of its slowest transport
-        self.chunk_bytes = fabric.ring_chunk(members)
+        self.chunk_bytes, self.chunk_max_bytes = fabric.ring_chunk(members)
         self._children: list[Group] = []
         self._parent: Group | None = None
         self._watchdog = Watchdog()

@@ -33,7 +33,8 @@ class GroupView(Protocol):
     comm_id: int
     rank: int  # this rank, in group ranks
     size: int
-    chunk_bytes: int  # the ring pipeline chunk (Fabric.ring_chunk)
+    chunk_bytes: int  # the ring pipeline chunk: the smallest, and the largest it grows to (Fabric.ring_chunk)
+    chunk_max_bytes: int
 
     @property
     def fabric(self) -> Fabric: ...
@@ -74,6 +75,12 @@ def num_chunks(max_elems: int, itemsize: int, chunk_bytes: int) -> int:
     return max(1, -(-max_elems * itemsize // chunk_bytes))
 
 
+# A ring's chunk grows from chunk_bytes towards chunk_max_bytes only while a block keeps this many chunks: a
+# ring step overlaps sending one chunk with receiving and reducing another, and on 2 cores a 4 MiB all_reduce in
+# one chunk per block took 3.3 ms against 2.7 with two (benchmarks/results/tcp-chunk-2026-12-01.md)
+PIPELINE_CHUNKS = 4
+
+
 _REDUCERS: dict[tuple[DType, ReduceOp, bool], Callable[[np.ndarray, Any], None]] = {}
 
 
@@ -99,15 +106,21 @@ def make_tag(phase: int, step: int, chunk: int) -> int:
 class CollCtx:
     """What an algorithm sees: ranks of its communicator, a fingerprint, tagged send/recv, the reducer."""
 
-    __slots__ = ("comm", "fp", "rank", "size", "eps", "dtype", "op", "reducer", "chunk_bytes")
+    __slots__ = ("comm", "fp", "rank", "size", "eps", "dtype", "op", "reducer", "chunk_bytes", "chunk_max_bytes")
 
     def __init__(self, comm: GroupView, fp: Fingerprint, dtype: DType, op: ReduceOp | None):
         self.comm, self.fp = comm, fp
         self.rank, self.size = comm.rank, comm.size
         self.eps = comm.peers
         self.dtype, self.op = dtype, op
-        self.chunk_bytes = comm.chunk_bytes
+        self.chunk_bytes, self.chunk_max_bytes = comm.chunk_bytes, comm.chunk_max_bytes
         self.reducer = _reducer(dtype, op) if op is not None else None
+
+    def num_chunks(self, elems: int) -> int:
+        """How many pipeline chunks a ring cuts `elems` elements (one block) into; the same on every rank."""
+        nbytes = elems * self.dtype.itemsize
+        chunk = min(self.chunk_max_bytes, max(self.chunk_bytes, nbytes // PIPELINE_CHUNKS))
+        return num_chunks(elems, self.dtype.itemsize, chunk)
 
     def send(self, peer: int, tag: int, data: np.ndarray) -> Coroutine[Any, Any, None]:
         if _obs.ON:

@@ -29,6 +29,7 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
     override = algorithms.parse_override(fab.settings.algo)
     world_kind = fab.transport_kind(list(range(fab.size)))
     world_costs = fab.costs_of(world_kind)
+    chunk, chunk_max = fab.ring_chunk(list(range(fab.size)))
 
     def pair_costs(ta: str, tb: str) -> Any:  # the slower of the two sides' declared figures
         return fab.costs_of(fab.slowest_transport({ta, tb}) or "tcp")
@@ -50,7 +51,7 @@ async def gather_topology(comm: Any) -> dict[str, Any] | None:
                    "local_rank": fab.topology.local_rank(r)} for r, rec in enumerate(fab.records)],
         "islands": islands,
         "pairs": pairs,
-        "world": {"kind": world_kind, "chunk_bytes": fab.ring_chunk(list(range(fab.size))),
+        "world": {"kind": world_kind, "chunk_bytes": chunk, "chunk_max_bytes": chunk_max,
                   "algorithms": {op: crossover(op, fab.size, world_costs, override) for op in algorithms.CHOOSABLE}},
     }
 
@@ -60,7 +61,7 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .observe import fmt_bytes
+    from .observe import chunk_span
 
     console = Console(file=file or sys.stdout, width=max(100, Console().width), highlight=False)
     n = topo["size"]
@@ -106,7 +107,7 @@ def render(topo: dict[str, Any], file: Any = None) -> None:
 
     w = topo["world"]
     t = Table(title="world communicator: algorithm by message size", box=box.SIMPLE_HEAVY,
-              caption=f"{n} ranks over {w['kind']}, chunk {fmt_bytes(w['chunk_bytes'])}; HETCCL_ALGO overrides",
+              caption=f"{n} ranks over {w['kind']}, chunk {chunk_span(w)}; HETCCL_ALGO overrides",
               min_width=72)
     t.add_column("collective")
     t.add_column("choice")

@@ -112,9 +112,9 @@ def test_two_hosts_on_one_machine(transports):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", [None, "64K"])
 def test_ring_chunk_is_the_slowest_transports(setting):
-    """The ring chunk of a communicator is what its slowest transport declares (tcp 4 MiB across the two hosts,
-    shm 1 MiB inside one) unless HETCCL_CHUNK_BYTES says otherwise; a ring all_reduce of several chunks per
-    block is exact with it."""
+    """The ring chunk of a communicator grows from 1 MiB up to what its slowest transport declares (tcp 4 MiB
+    across the two hosts, shm none inside one) while a block keeps 4 chunks; HETCCL_CHUNK_BYTES fixes it. A ring
+    all_reduce of several chunks per block is exact with it."""
     env = {"HETCCL_HOST": ",".join(HOSTS), "HETCCL_ALGO": "ring"}
     if setting:
         env["HETCCL_CHUNK_BYTES"] = setting
@@ -125,13 +125,20 @@ async def ring_chunks(comm, setting) -> None:
     """(In the rank processes.)"""
     import numpy as np
 
+    from hetccl import DType
     from hetccl.params import parse_size
+    from hetccl.scheduler import CollCtx
 
-    world, local = (parse_size(setting),) * 2 if setting else (4 << 20, 1 << 20)
-    assert comm.chunk_bytes == world, comm.chunk_bytes
+    fixed = parse_size(setting) if setting else None
+    world, local = ((fixed, fixed),) * 2 if fixed else ((1 << 20, 4 << 20), (1 << 20, 1 << 20))
+    assert (comm.chunk_bytes, comm.chunk_max_bytes) == world
     sub = await comm.split(HOSTS.index(HOSTS[comm.rank]))
-    assert sub.chunk_bytes == local, sub.chunk_bytes
-    count = 2 * world + 12345  # over 4 ranks: blocks of 2 chunks of `world` bytes and a rest
+    assert (sub.chunk_bytes, sub.chunk_max_bytes) == local
+    ctx = CollCtx(comm, None, DType.FLOAT32, None)
+    mib = 1 << 18  # float32 elements in 1 MiB
+    if not fixed:  # 1 MiB chunks while a block is under 4 MiB, then a quarter block, up to 4 MiB
+        assert [ctx.num_chunks(k * mib) for k in (1, 2, 4, 8, 16, 32, 64)] == [1, 2, 4, 4, 4, 8, 16]
+    count = 24 * mib + 12345  # over 4 ranks: blocks of 6 MiB, in 4 chunks of 1.5 MiB (64 KiB chunks if fixed)
     for c in (comm, sub):
         x = np.arange(count, dtype=np.float32) % 1000 + c.rank
         await c.all_reduce(x)
@@ -152,7 +159,8 @@ def test_topo_shows_the_hosts():
     for p in topo["pairs"]:
         same = HOSTS[p["a"]] == HOSTS[p["b"]]
         assert p["same_host"] == same and p["transport"] == ("shm" if same else "tcp"), p
-    assert topo["world"]["kind"] == "tcp" and topo["world"]["chunk_bytes"] == 4 << 20  # tcp's declared chunk
+    assert topo["world"]["kind"] == "tcp"  # so the ring chunk grows from 1 MiB to tcp's declared 4 MiB
+    assert (topo["world"]["chunk_bytes"], topo["world"]["chunk_max_bytes"]) == (1 << 20, 4 << 20)
     proc = _hetccl("run", "-n", "4", "--", sys.executable, "-c", TOPO_RANK, "topo",
                    env={"HETCCL_HOST": "a,a,b,b", "COLUMNS": "120"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,14 +14,14 @@ import numpy as np
 
 from .. import observe as _obs
 from ..dtypes import Buf
-from ..scheduler import CollCtx, block_ranges, chunk_ranges, gather_fail_fast, make_tag, num_chunks
+from ..scheduler import CollCtx, block_ranges, chunk_ranges, gather_fail_fast, make_tag
 
 RS, AG, BC, RD = 1, 2, 3, 4
 
 
 def _layout(ctx: CollCtx, count: int) -> tuple[list[tuple[int, int]], int]:
     blocks = block_ranges(count, ctx.size)
-    nch = num_chunks(blocks[0][1] - blocks[0][0], ctx.dtype.itemsize, ctx.chunk_bytes)
+    nch = ctx.num_chunks(blocks[0][1] - blocks[0][0])
     return blocks, nch
 
 
@@ -106,7 +106,7 @@ async def broadcast(ctx: CollCtx, buf: Buf, root: int) -> None:
     if n == 1 or buf.count == 0:
         return
     isz = ctx.dtype.itemsize
-    nch = num_chunks(buf.count, isz, ctx.chunk_bytes)
+    nch = ctx.num_chunks(buf.count)
     pos = (r - root) % n
     nxt, prv = (r + 1) % n, (r - 1) % n
     views = [buf.data[a * isz: b * isz] for a, b in chunk_ranges(0, buf.count, nch)]
@@ -130,7 +130,7 @@ async def reduce(ctx: CollCtx, buf: Buf, root: int, scratch: np.ndarray | None) 
         ctx.finish_avg(buf) if r == root else None
         return
     isz = ctx.dtype.itemsize
-    nch = num_chunks(buf.count, isz, ctx.chunk_bytes)
+    nch = ctx.num_chunks(buf.count)
     pos = (r - root - 1) % n  # root is last (pos n-1)
     nxt, prv = (r + 1) % n, (r - 1) % n
     acc = buf.data if r == root else scratch

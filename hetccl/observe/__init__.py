@@ -137,6 +137,12 @@ def fmt_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def chunk_span(chunks: tuple[int, int] | dict[str, int]) -> str:
+    """'1M', or '1M-4M' where a ring's chunk grows with the block (Fabric.ring_chunk, or topo's world record)."""
+    lo, hi = (chunks["chunk_bytes"], chunks["chunk_max_bytes"]) if isinstance(chunks, dict) else chunks
+    return fmt_bytes(lo) if lo == hi else f"{fmt_bytes(lo)}-{fmt_bytes(hi)}"
+
+
 def crossover_bytes(op: str, n: int, kind: Any) -> tuple[str, int | None, str | None]:
     """(choice for 1 byte, first size in bytes where `algorithms.choose` picks otherwise, that choice);
     (choice, None, None) when it never changes up to 1 TiB."""
@@ -195,7 +201,7 @@ def init_summary(fab: Fabric) -> str:
     return (f"init rank {rank}/{size} host {rec.get('hostname', socket.gethostname())} local "
             f"{fab.topology.local_rank(rank)}/{len(fab.topology.local_ranks(rank))} "
             f"island {rec.get('island', island_label())}; peers {peers}; "
-            f"algorithms ({kind}, chunk {fmt_bytes(fab.ring_chunk(list(range(size))))}): {algos}")
+            f"algorithms ({kind}, chunk {chunk_span(fab.ring_chunk(list(range(size))))}): {algos}")
 
 
 # ---- hooks on the data path (only reached when ON) ----------------------------------------------------------

@@ -355,8 +355,8 @@ class TcpTransport(Transport):
     name = "tcp"
     api_version = 2
     # calibrated with `hetccl bench` on a 2-core host (README): its ring steps pay per-chunk task overhead.
-    # 4 MiB ring chunks: each frame costs ~70 us of framing, matching and pump hand-offs, which at 1 MiB held a
-    # 64 MiB all_reduce at 2.9 GB/s on 16 cores against 3.5 GB/s (benchmarks/results/tcp-chunk-2026-12-01.md)
+    # ring chunks up to 4 MiB: each frame costs ~70 us of framing, matching and pump hand-offs, which at 1 MiB
+    # held a 64 MiB all_reduce at 2.9 GB/s on 16 cores against 3.5 (benchmarks/results/tcp-chunk-2026-12-01.md)
     properties = TransportProperties(latency_us=20, ring_step_us=18, bandwidth_gb_s=2, ring_chunk_bytes=4 << 20)
     priority = 10
 
