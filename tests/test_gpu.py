@@ -90,3 +90,46 @@ def test_gpu_stuck_peer_watchdog() -> None:
     report = ranks_report(results)
     assert all(rc == 0 for rc, _, _ in results), report
     assert "watchdog timeout" in results[0][1], report
+
+
+DMABUF_PROBE = r"""
+import os, stat, sys, torch
+from hetccl.errors import TransportError
+from hetccl.transports.verbs import cuda_dmabuf_fd, device_range, register_device_buffer
+torch.cuda.set_device(0)
+t = torch.empty(3 << 20, dtype=torch.float32, device="cuda:0")[1000:]  # not at the start of its allocation
+ptr, nbytes, vendor = device_range(t)
+assert (ptr, nbytes, vendor) == (t.data_ptr(), t.numel() * 4, "cuda")
+try:
+    fd, offset, length = cuda_dmabuf_fd(ptr, nbytes)
+except TransportError as exc:
+    if "CUresult 801" in str(exc):  # CUDA_ERROR_NOT_SUPPORTED: this driver or GPU exports no dma-buf
+        print("UNSUPPORTED", exc); sys.exit(0)
+    raise
+assert fd >= 0 and 0 <= offset < 1 << 16 and length % (1 << 16) == 0 and offset + nbytes <= length
+assert not stat.S_ISREG(os.fstat(fd).st_mode)  # a dma-buf, not a file
+os.close(fd)
+try:  # registering needs a protection domain of an RDMA device; without one it must say so, never crash
+    register_device_buffer(None, t)
+except TransportError as exc:
+    print("REGISTER", exc)
+except Exception as exc:
+    print("REGISTER-OTHER", type(exc).__name__, exc)
+print("EXPORTED", offset, length)
+"""
+
+
+@needs_1
+@pytest.mark.timeout(60)
+def test_cuda_memory_exports_as_dmabuf() -> None:
+    """GPUDirect RDMA's first half on a real GPU: device memory is exported as a dma-buf (what the verbs
+    transport hands ibv_reg_dmabuf_mr; no RDMA NIC here, so that second half runs nowhere in this suite)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", DMABUF_PROBE], capture_output=True, text=True, timeout=50,
+                          env={**__import__("os").environ, **GPU_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "UNSUPPORTED" in proc.stdout:
+        pytest.skip(f"the driver exports no dma-buf: {proc.stdout.strip()}")
+    assert "EXPORTED" in proc.stdout and "REGISTER-OTHER" not in proc.stdout, proc.stdout
