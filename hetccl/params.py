@@ -232,7 +232,8 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        agree=True),
     _P("HETCCL_CHUNK_BYTES", "size", None, "pipeline chunk of the ring algorithms", "hetccl.algorithms.ring",
        lo=4096, field="chunk_bytes", agree=True,
-       shown="the chunk the communicator's slowest transport declares: 4M over TCP, 1M over shm and verbs"),
+       shown="1M, growing with a block (a quarter of it) up to the chunk the communicator's slowest transport "
+       "declares: 4M over TCP, none over shm and verbs"),
     _P("HETCCL_SOCKET_PUMP_BYTES", "size", None, "TCP payloads of at least this many bytes are sent and received "
        "by native threads (one per direction and peer) instead of the event loop, so a ring step's send and "
        "receive copy on two cores at once; 0 = never", "hetccl.transports.tcp",

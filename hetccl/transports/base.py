@@ -53,9 +53,10 @@ class TransportProperties:
     - `device_memory`: moves device (GPU) buffers itself (the zero-copy links; `registry.device_link` reads it).
     - `registers_memory`: registers buffers with a NIC (RDMA); it does so itself, on first use, through a cache
       (informational: no core decision depends on it).
-    - `ring_chunk_bytes`: the ring pipeline chunk it wants while HETCCL_CHUNK_BYTES is unset (0: the 1 MiB
-      default). A transport whose every frame costs much (TCP: framing, matching and pump hand-offs) moves
-      more per frame; the slowest transport of a communicator sets it, so every rank cuts alike.
+    - `ring_chunk_bytes`: the largest ring pipeline chunk it wants while HETCCL_CHUNK_BYTES is unset (0: none,
+      chunks stay 1 MiB). A large block's chunk grows up to it (`scheduler.CollCtx.num_chunks`), so a transport
+      whose every frame costs much (TCP: framing, matching and pump hand-offs) moves more per frame; the
+      slowest transport of a communicator sets it, so every rank cuts alike.
     `hetccl info` prints every field.
     """
 
