@@ -44,7 +44,7 @@ from .matching import Matcher
 from .netio import route_source_addr
 from .store import StoreClient, StoreServer
 from .transports import registry
-from .transports.base import Endpoint, Transport, TransportContext
+from .transports.base import Endpoint, Transport, TransportContext, TransportProperties
 from .waits import WaitNotes, rank_list
 
 log = logging.getLogger("hetccl")
@@ -490,13 +490,15 @@ class Fabric:
                 worst = k
         return worst
 
+    def declared(self, kind: str) -> TransportProperties | None:
+        """What transport `kind` of this fabric declares; None when the fabric does not have it."""
+        return next((t.properties for t in self.transports if t.name == kind), None)
+
     def costs_of(self, kind: str) -> LinkCosts:
         """The cost model's constants of transport `kind`: what it declares (`TransportProperties`), or a
         built-in's reference figures when this fabric does not have it."""
-        for t in self.transports:
-            if t.name == kind:
-                return LinkCosts.declared(t.properties)
-        return COSTS.get(kind, COSTS["tcp"])
+        props = self.declared(kind)
+        return LinkCosts.declared(props) if props is not None else COSTS.get(kind, COSTS["tcp"])
 
     def ring_chunk(self, peers: list[int]) -> tuple[int, int]:
         """The ring pipeline chunk of a communicator over these peers, smallest and largest (a large block grows
@@ -505,9 +507,8 @@ class Fabric:
         communicator finds the same slowest transport, as for the cost model, so they cut alike."""
         if self.settings.chunk_bytes is not None:
             return self.settings.chunk_bytes, self.settings.chunk_bytes
-        kind = self.transport_kind(peers)
-        declared = next((t.properties.ring_chunk_bytes for t in self.transports if t.name == kind), 0)
-        return DEFAULT_CHUNK_BYTES, max(DEFAULT_CHUNK_BYTES, declared)
+        props = self.declared(self.transport_kind(peers))
+        return DEFAULT_CHUNK_BYTES, max(DEFAULT_CHUNK_BYTES, props.ring_chunk_bytes if props is not None else 0)
 
     def transport_costs(self, peers: list[int]) -> LinkCosts:
         """The cost model's constants for a communicator over these peers: its slowest transport's."""

@@ -4,6 +4,10 @@ They need CUDA devices and the NCCL library; on CPU-only machines (CI) they skip
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from gpu_marks import GPU_ENV, needs_1, needs_2
 from rankrun import assert_victim_named, finish, ranks_report, run_ranks, spawn_ranks
@@ -124,11 +128,8 @@ print("EXPORTED", offset, length)
 def test_cuda_memory_exports_as_dmabuf() -> None:
     """GPUDirect RDMA's first half on a real GPU: device memory is exported as a dma-buf (what the verbs
     transport hands ibv_reg_dmabuf_mr; no RDMA NIC here, so that second half runs nowhere in this suite)."""
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-c", DMABUF_PROBE], capture_output=True, text=True, timeout=50,
-                          env={**__import__("os").environ, **GPU_ENV})
+                          env={**os.environ, **GPU_ENV})
     assert proc.returncode == 0, proc.stderr[-3000:]
     if "UNSUPPORTED" in proc.stdout:
         pytest.skip(f"the driver exports no dma-buf: {proc.stdout.strip()}")
