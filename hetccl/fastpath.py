@@ -10,6 +10,13 @@ the peers spin briefly in C until every rank published k with the same fingerpri
 the other (later ones wait for the earlier), so two slots suffice: nobody overwrites a slot a peer may
 still read. When every peer is already there, an operation never yields to the event loop.
 
+A larger all_reduce of a group of at most PIECED_MAX_RANKS ranks runs here too, as consecutive fast operations
+of PIECE_BYTES each (`hccl_fast_all_reduce_pieces`, up to PIECES_PER_CALL of them per call from Python). Each
+byte then crosses between cores once, through the owner's slot, and is read and written once more in the
+user's buffer: the ring over the transports makes a fourth pass over memory and pays Python per chunk
+(np 2, 64 MiB: 30.6 against 21.9 ms on 2 cores, 19.5 against 14.4 ms on 16; benchmarks/results/
+shm-pieces-2026-12-02.md). Every rank reads every rank's piece, so past 3 ranks the ring is faster.
+
 Guarantees, as on the transports:
 - waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher
   that sees the flag sends one datagram to the sleeper's socket (spoofing one only costs a wake-up). The
@@ -24,9 +31,9 @@ Guarantees, as on the transports:
   and at close.
 Eligibility (decided the same way on every rank from the group and the call): a flat group of one island
 whose ranks all reach each other through the shm transport, host buffers, each rank's part at most
-HETCCL_SHM_FASTPATH_BYTES (0: off), and no HETCCL_ALGO (which names the host algorithm to run). With tracing,
-metrics or DEBUG logging on, every fast operation runs under the scheduler, whose wrapper reports it (its
-algorithm reads "fast").
+HETCCL_SHM_FASTPATH_BYTES (0: off) or an all_reduce of at most PIECED_MAX_RANKS ranks, and no HETCCL_ALGO
+(which names the host algorithm to run). With tracing, metrics or DEBUG logging on, every fast operation runs
+under the scheduler, whose wrapper reports it (its algorithm reads "fast").
 """
 
 from __future__ import annotations
@@ -56,6 +63,13 @@ _OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": 
 _ALL_REDUCE = int(CollOp.ALL_REDUCE)  # 1, as hccl_fast_all_reduce writes it
 _FAST_OPS = (CollOp.ALL_REDUCE, CollOp.BROADCAST, CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER, CollOp.BARRIER)
 NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
+# a large all_reduce runs as fast operations of this many bytes (at most the limit) in one C call: small enough
+# that a piece, its slot and the peers' slots stay in a core's L2 (the pieces below 1 MiB ran faster)
+PIECE_BYTES = 512 << 10
+PIECES_PER_CALL = 32  # the event loop runs between calls (doorbells, other collectives, lost peers)
+# every rank reads all n slots of a piece: measured on 16 cores (shm-pieces-2026-12-02.md), the pieces beat
+# the ring at np 3 from 4 MiB (3.38 against 2.52 GB/s at 64 MiB), the ring won at np 4 from 16 MiB
+PIECED_MAX_RANKS = 3
 
 
 def limit_for(group: Any) -> int:
@@ -77,10 +91,13 @@ def limit_for(group: Any) -> int:
 
 def takes(group: Any, fp: Fingerprint) -> bool:
     """Whether collective fp of `group` ran on its fast path (the rule group.py applies: each rank's part, the
-    input, at most the limit): what observability reports as its algorithm."""
+    input, at most the limit, and any all_reduce of at most PIECED_MAX_RANKS ranks): what observability reports
+    as its algorithm."""
     fast = getattr(group, "_fast", None)
     if fast is None or fp.op not in _FAST_OPS:
         return False
+    if fp.op == CollOp.ALL_REDUCE and fast.pieces(group.size):
+        return True  # above the limit: in pieces (FastPath.all_reduce_pieces)
     isz = DType(fp.dtype).itemsize if 0 <= fp.dtype <= 7 else 1
     part = fp.count * isz * (group.size if fp.op == CollOp.REDUCE_SCATTER else 1)
     return part <= fast.limit
@@ -265,6 +282,51 @@ class FastPath:
             state = NOT_STARTED
         mine = self.tail = asyncio.get_running_loop().create_future()
         return state, k, prev, mine
+
+    def pieces(self, n_ranks: int) -> bool:
+        """Whether an all_reduce above the limit runs here in pieces (all_reduce_pieces)."""
+        return n_ranks <= PIECED_MAX_RANKS
+
+    async def all_reduce_pieces(self, fp: Fingerprint, data: np.ndarray, count: int, dtype: DType,
+                                op: ReduceOp) -> None:
+        """An all_reduce above the limit, in place: fast operations of PIECE_BYTES each, in C, numbered on from
+        self.k (every rank cuts the same pieces from the same count). Runs under the scheduler (deadline,
+        failures), after the fast operations before it."""
+        isz = dtype.itemsize
+        piece = max(1, min(self.limit, PIECE_BYTES) // isz)
+        k0 = self.k
+        self.k = k0 + -(-count // piece)
+        prev = self.tail
+        mine = self.tail = asyncio.get_running_loop().create_future()
+        try:
+            if prev is not None and not prev.done():
+                await asyncio.shield(prev)
+            self._check_peers()
+            if not self.ready:
+                await self._setup()
+            state = ffi.new("uint64_t[1]")
+            buf = _from_buffer(_CHARS, data, True)
+            while True:
+                r = lib.hccl_fast_all_reduce_pieces(self.segs_c, self.n, self.me, k0, fp.seq, count, buf, dtype, op,
+                                                    piece, PIECES_PER_CALL, self.spin_ns, self.yield_ns,
+                                                    self._mask, state)
+                if r == -1:
+                    return
+                k = k0 + (state[0] >> 1)
+                if r == -5:
+                    self._check_peers()
+                    await asyncio.sleep(0)
+                elif r == -3:
+                    self._ring(self._mask[0])
+                elif r == -2:
+                    await self._wait(fp, k)
+                elif r >= 0:
+                    raise self._mismatch(fp, k, r)
+                else:
+                    raise HetcclError(f"native reduce refused dtype {dtype!r} op {op!r}")
+        finally:
+            if not mine.done():
+                mine.set_result(None)
 
     def try_all_reduce(self, group: Any, arr: Any, op: Any) -> Any:
         """The facade's shortcut for an all_reduce of a plain numpy array (the torch backend's and most

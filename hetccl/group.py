@@ -227,6 +227,10 @@ class Group:
                 k = await self._fast_finish(fp, b.data, b.nbytes, k)
             fast.reduce(k, b.data, 0, b.count, b.dtype, op)
             return
+        if fast is not None and fast.pieces(self.size):
+            fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
+            await run_collective(self, fp, lambda: fast.all_reduce_pieces(fp, b.data, b.count, b.dtype, op))
+            return
         fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op)
         ctx = CollCtx(self, fp, b.dtype, op)
         algo = ring.all_reduce if self._algo("all_reduce", b.nbytes) == algorithms.RING else latency.all_reduce

@@ -104,6 +104,16 @@ int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, s
  * when the dtype or op code is out of range). */
 int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, uint64_t count, void *buf,
                          int dtype, int op, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask);
+/* A large all_reduce in place as fast operations k0, k0 + 1, ...: operation k0 + i is piece i, elements
+ * [i * piece, (i + 1) * piece) of buf, posted with the collective's fingerprint (seq, all_reduce | dtype | op,
+ * count of the whole buffer, -1) and combined as hccl_fast_all_reduce does. *state (0 at the start) is
+ * 2 * (pieces done) + 1 while the next piece is posted and not yet combined; a call goes on from it and posts
+ * at most max_pieces pieces. Returns -1: all done; -5: max_pieces posted and combined, call again; -3: a piece
+ * posted, the peers in *mask sleep (wake them, call again); -2: the wait for a posted piece ran out (wait as
+ * hccl_fast_wait, call again); r >= 0: rank r disagrees at the posted piece; -4: unknown dtype or op. */
+int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
+                                int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
+                                uint64_t yield_ns, uint64_t *mask, uint64_t *state);
 /* monotonic clock (CLOCK_MONOTONIC) in nanoseconds */
 uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which

@@ -21,18 +21,21 @@ def _fast_ops(comm: hetccl.Communicator) -> int:
 
 async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
     """Every dtype and op of all_reduce and reduce_scatter, all_gather, broadcast from every root and barrier,
-    at the limit (fast) and just above it (the transports): same results either way."""
+    at the limit (fast) and just above it (the transports; all_reduce: the fast path in pieces of the limit):
+    same results either way."""
     n, r = comm.size, comm.rank
     for dtype in DTYPES:
         isz = np_dtype(dtype).itemsize
-        for count in (1, 7, LIMIT // isz, LIMIT // isz + 1):
-            fast = count * isz <= LIMIT
+        piece = LIMIT // isz
+        for count in (1, 7, piece, piece + 1, 3 * piece + 5):
             for op in OPS:
                 before = _fast_ops(comm)
                 buf = make(r, count, dtype, salt=3)
                 await comm.all_reduce(buf, op=op)
                 check(buf, expected_reduce(n, count, dtype, op, salt=3), f"all_reduce {dtype} {op} x{count}")
-                assert (_fast_ops(comm) > before) == fast, (dtype, op, count, before, _fast_ops(comm))
+                # one fast operation per piece; past fastpath.PIECED_MAX_RANKS, above the limit: the transports
+                pieces = 1 if count <= piece else -(-count // piece) if comm._fast.pieces(n) else 0
+                assert _fast_ops(comm) - before == pieces, (dtype, op, count, before, _fast_ops(comm))
             # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
             k = max(1, count // n)
             for op in ("sum", "max", "avg"):
@@ -70,11 +73,16 @@ async def many_in_flight(comm: hetccl.Communicator) -> None:
     in order with the others."""
     n, r = comm.size, comm.rank
     for rnd in range(5):
+        # small (fast), 4096 floats (16 KiB: the fast path in pieces, or the transports past 4 ranks) and a
+        # broadcast above the limit (the transports), all at once
         bufs = [np.full(16 if i % 3 else 4096, r + i + rnd, np.float32) for i in range(60)]
-        await asyncio.gather(*(comm.all_reduce(b) for b in bufs), comm.barrier())
+        big = np.full(3000, rnd if r == 0 else -1, np.float32)
+        await asyncio.gather(*(comm.all_reduce(b) for b in bufs[:30]), comm.broadcast(big, root=0),
+                             *(comm.all_reduce(b) for b in bufs[30:]), comm.barrier())
         for i, b in enumerate(bufs):
             want = sum(p + i + rnd for p in range(n))
             check(b, np.full(len(b), want, np.float32), f"in flight #{i} round {rnd}")
+        check(big, np.full(3000, rnd, np.float32), f"broadcast in flight round {rnd}")
     os.write(1, f"rank {r} in flight ok\n".encode())
 
 
@@ -97,8 +105,10 @@ async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
                 await comm.broadcast(np.ones(8, np.float32), root=0)
             else:
                 await comm.all_reduce(np.ones(8, np.float32))
-        elif kind == "slow":  # rank 1 above the limit: the transports, the others the fast path
+        elif kind == "pieces":  # rank 1 above the limit: the fast path in pieces, the others in one operation
             await comm.all_reduce(np.ones(LIMIT if odd else 8, np.float32))
+        elif kind == "slow":  # rank 1 above the limit: the transports, the others the fast path
+            await comm.broadcast(np.ones(LIMIT if odd else 8, np.float32), root=0)
         await comm.barrier()
     except hetccl.CollectiveMismatchError as exc:
         took = time.monotonic() - t0
@@ -108,9 +118,10 @@ async def mismatch(comm: hetccl.Communicator, kind: str) -> None:
     raise AssertionError(f"rank {r}: mismatched collectives ({kind}) completed")
 
 
-async def die_waiting(comm: hetccl.Communicator, victim: int) -> None:
-    """The victim exits hard while the others wait for it in a fast all_reduce: PeerLostError naming it."""
-    buf = np.ones(256, np.float32)
+async def die_waiting(comm: hetccl.Communicator, victim: int, count: int = 256) -> None:
+    """The victim exits hard while the others wait for it in a fast all_reduce (of `count` floats: in pieces
+    above LIMIT // 4): PeerLostError naming it."""
+    buf = np.ones(count, np.float32)
     for _ in range(20):
         await comm.all_reduce(buf)
     if comm.rank == victim:
@@ -131,9 +142,10 @@ async def die_waiting(comm: hetccl.Communicator, victim: int) -> None:
     os._exit(5)
 
 
-async def late_rank_times_out(comm: hetccl.Communicator) -> None:
-    """Rank 1 arrives after the timeout: rank 0's fast all_reduce raises CollectiveTimeout naming it."""
-    buf = np.ones(8, np.float32)
+async def late_rank_times_out(comm: hetccl.Communicator, count: int = 8) -> None:
+    """Rank 1 arrives after the timeout: rank 0's fast all_reduce (of `count` floats) raises CollectiveTimeout
+    naming it."""
+    buf = np.ones(count, np.float32)
     await comm.all_reduce(buf)
     if comm.rank == 1:
         await asyncio.sleep(6)

@@ -27,25 +27,26 @@ def test_many_in_flight_stay_ordered() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "slow"])
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "pieces", "slow"])
 def test_mismatch_raises_on_every_rank(kind: str) -> None:
     proc = run_ranks(3, "fastpath_workers:mismatch", env=FAST, kind=kind)
     assert proc.stdout.count("mismatch ok") == 3, proc.stdout
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,victim", [(2, 1), (3, 0)])
-def test_dead_peer_raises_peer_lost(n: int, victim: int) -> None:
+@pytest.mark.parametrize("n,victim,count", [(2, 1, 256), (3, 0, 256), (2, 0, 100_000)])
+def test_dead_peer_raises_peer_lost(n: int, victim: int, count: int) -> None:
     before = set(glob.glob("/dev/shm/hetccl-*"))
-    procs = spawn_ranks(n, "fastpath_workers:die_waiting", env=FAST, victim=victim)
+    procs = spawn_ranks(n, "fastpath_workers:die_waiting", env=FAST, victim=victim, count=count)
     assert_victim_named(finish(procs, 60), victim)
     assert set(glob.glob("/dev/shm/hetccl-*")) <= before
 
 
 @pytest.mark.timeout(120)
-def test_late_rank_times_out() -> None:
+@pytest.mark.parametrize("count", [8, 100_000])
+def test_late_rank_times_out(count: int) -> None:
     env = dict(FAST, HETCCL_TIMEOUT="3", HETCCL_HANG_REPORT="0")
-    proc = run_ranks(2, "fastpath_workers:late_rank_times_out", env=env, expect_rc=None)
+    proc = run_ranks(2, "fastpath_workers:late_rank_times_out", env=env, expect_rc=None, count=count)
     assert "timeout ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import hetccl.torch  # noqa: F401  (registers the "hetccl" backend)
+from hetccl import fastpath
 
 ALL_GATHER_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_TENSOR = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -48,6 +49,18 @@ def main() -> None:
     assert (rs == n * torch.arange(4 * r, 4 * r + 4, dtype=torch.float32)).all(), rs
     dist.barrier()
     assert fast.k - before >= 8 * 4 + 40 + 4, (before, fast.k)
+    # above the limit (HETCCL_SHM_FASTPATH_BYTES, 1 MiB) an all_reduce of 2 ranks runs there in pieces; a sum of
+    # distinct values per element and rank, and the average, checked exactly (every rank reduces in rank order)
+    count = (3 << 20) // 4 + 13
+    at = fast.k
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        t = torch.arange(count, dtype=torch.float32) % 1024 + 2048 * r
+        dist.all_reduce(t, op=op)
+        want = n * (torch.arange(count, dtype=torch.float32) % 1024) + 2048 * sum(range(n))
+        want = want / n if op == dist.ReduceOp.AVG else want
+        assert torch.equal(t, want), (op, t[:4], want[:4])
+    if fast.pieces(n):
+        assert fast.k - at == 2 * -(-count * 4 // fastpath.PIECE_BYTES), (at, fast.k)
     print(f"rank {r} torch fast ok ({fast.k - before} fast operations)", flush=True)
     dist.destroy_process_group()
 
