@@ -83,7 +83,8 @@ def invocations(be: str, np_: int, ops: list[str], minb: int, maxb: int, a, json
     env["PYTHONUNBUFFERED"] = "1"
     cwd = REPO
     if be in BEFORE:  # `python -m` imports hetccl from the working directory first
-        cwd = env["PYTHONPATH"] = os.path.abspath(a.before)
+        cwd = os.path.abspath(a.before)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH")]))  # keep what else it held
     common = ["-b", str(minb), "-e", str(maxb), "-f", "4", "-n", str(a.iters), "-w", str(a.warmup),
               "--budget", str(a.budget)]
     out = []
