@@ -930,6 +930,16 @@ int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, s
     return 0;
 }
 
+/* dst = the reduction of operation k's slots, divided by n for avg (op 4): -1, or -4 for an unknown dtype/op */
+static int hccl_fast_combine(void *dst, char **segs, int n, uint64_t k, uint64_t count, int dtype, int op)
+{
+    if (hccl_fast_reduce(dst, segs, n, k, 0, count, dtype, op == 4 ? 0 : op))
+        return -4;
+    if (op == 4 && hccl_div(dst, count, dtype, n))
+        return -4;
+    return -1;
+}
+
 /* post, wait and combine in one call: what a small all_reduce costs when its peers are already there is
  * mostly the crossings between Python and C, so the common case makes one */
 int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, uint64_t count, void *buf,
@@ -945,15 +955,11 @@ int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, u
     int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
     if (r != -1)
         return r;
-    if (hccl_fast_reduce(buf, segs, n, k, 0, count, dtype, op == 4 ? 0 : op))
-        return -4;
-    if (op == 4 && hccl_div(buf, count, dtype, n))
-        return -4;
-    return -1;
+    return hccl_fast_combine(buf, segs, n, k, count, dtype, op);
 }
 
-/* a large all_reduce as consecutive fast operations, one per piece, all in one call: at np 2 the ring over the
- * transports pays its Python per chunk and a fourth pass over memory (issue 17: 28 against 14 ms at 64 MiB) */
+/* a large all_reduce as consecutive fast operations, one per piece, all in one call: the ring over the
+ * transports pays Python per chunk and a fourth pass over memory (issue 17, fastpath.py) */
 int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
                                 int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
                                 uint64_t yield_ns, uint64_t *mask, uint64_t *state)
@@ -976,12 +982,10 @@ int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_
                 return -3;
         }
         int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
+        if (r == -1)
+            r = hccl_fast_combine(p, segs, n, k, m, dtype, op);
         if (r != -1)
             return r;
-        if (hccl_fast_reduce(p, segs, n, k, 0, m, dtype, op == 4 ? 0 : op))
-            return -4;
-        if (op == 4 && hccl_div(p, m, dtype, n))
-            return -4;
         *state = 2 * (i + 1);
     }
     return -1;
