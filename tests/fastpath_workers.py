@@ -73,7 +73,7 @@ async def many_in_flight(comm: hetccl.Communicator) -> None:
     in order with the others."""
     n, r = comm.size, comm.rank
     for rnd in range(5):
-        # small (fast), 4096 floats (16 KiB: the fast path in pieces, or the transports past 4 ranks) and a
+        # small (fast), 4096 floats (16 KiB: the fast path in pieces, or the transports past PIECED_MAX_RANKS) and a
         # broadcast above the limit (the transports), all at once
         bufs = [np.full(16 if i % 3 else 4096, r + i + rnd, np.float32) for i in range(60)]
         big = np.full(3000, rnd if r == 0 else -1, np.float32)
