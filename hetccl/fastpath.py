@@ -96,7 +96,7 @@ def takes(group: Any, fp: Fingerprint) -> bool:
     fast = getattr(group, "_fast", None)
     if fast is None or fp.op not in _FAST_OPS:
         return False
-    if fp.op == CollOp.ALL_REDUCE and fast.pieces(group.size):
+    if fp.op == CollOp.ALL_REDUCE and fast.pieces:
         return True  # above the limit: in pieces (FastPath.all_reduce_pieces)
     isz = DType(fp.dtype).itemsize if 0 <= fp.dtype <= 7 else 1
     part = fp.count * isz * (group.size if fp.op == CollOp.REDUCE_SCATTER else 1)
@@ -121,6 +121,7 @@ class FastPath:
         self.fabric = group.fabric
         self.limit = limit
         self.n, self.me = group.size, group.rank
+        self.pieces = self.n <= PIECED_MAX_RANKS  # an all_reduce above the limit runs here (all_reduce_pieces)
         self.comm_id = group.comm_id
         self.k = 0  # the next fast operation's number
         self.tail: asyncio.Future[None] | None = None  # completion of the last operation that went async
@@ -283,10 +284,6 @@ class FastPath:
         mine = self.tail = asyncio.get_running_loop().create_future()
         return state, k, prev, mine
 
-    def pieces(self, n_ranks: int) -> bool:
-        """Whether an all_reduce above the limit runs here in pieces (all_reduce_pieces)."""
-        return n_ranks <= PIECED_MAX_RANKS
-
     async def all_reduce_pieces(self, fp: Fingerprint, data: np.ndarray, count: int, dtype: DType,
                                 op: ReduceOp) -> None:
         """An all_reduce above the limit, in place: fast operations of PIECE_BYTES each, in C, numbered on from
@@ -299,11 +296,7 @@ class FastPath:
         prev = self.tail
         mine = self.tail = asyncio.get_running_loop().create_future()
         try:
-            if prev is not None and not prev.done():
-                await asyncio.shield(prev)
-            self._check_peers()
-            if not self.ready:
-                await self._setup()
+            await self._start_after(prev)
             state = ffi.new("uint64_t[1]")
             buf = _from_buffer(_CHARS, data, True)
             while True:
@@ -376,17 +369,22 @@ class FastPath:
         state, k, prev, mine = started
         try:
             if state == NOT_STARTED:
-                if prev is not None and not prev.done():
-                    await asyncio.shield(prev)
-                self._check_peers()
-                if not self.ready:
-                    await self._setup()
+                await self._start_after(prev)
                 self._post(fp, k, src, nbytes)
             await self._wait(fp, k)
         finally:
             if mine is not None and not mine.done():
                 mine.set_result(None)
         return k
+
+    async def _start_after(self, prev: asyncio.Future[None] | None) -> None:
+        """Before an operation that `now` did not start: the fast operations before it end, nothing ended the
+        group, and the segments are set up (the first operation)."""
+        if prev is not None and not prev.done():
+            await asyncio.shield(prev)
+        self._check_peers()
+        if not self.ready:
+            await self._setup()
 
     async def _wait(self, fp: Fingerprint, k: int) -> None:
         segs, n, me = self.segs_c, self.n, self.me

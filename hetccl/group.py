@@ -227,7 +227,7 @@ class Group:
                 k = await self._fast_finish(fp, b.data, b.nbytes, k)
             fast.reduce(k, b.data, 0, b.count, b.dtype, op)
             return
-        if fast is not None and fast.pieces(self.size):
+        if fast is not None and fast.pieces:
             fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
             await run_collective(self, fp, lambda: fast.all_reduce_pieces(fp, b.data, b.count, b.dtype, op))
             return

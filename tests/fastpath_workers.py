@@ -34,7 +34,7 @@ async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
                 await comm.all_reduce(buf, op=op)
                 check(buf, expected_reduce(n, count, dtype, op, salt=3), f"all_reduce {dtype} {op} x{count}")
                 # one fast operation per piece; past fastpath.PIECED_MAX_RANKS, above the limit: the transports
-                pieces = 1 if count <= piece else -(-count // piece) if comm._fast.pieces(n) else 0
+                pieces = 1 if count <= piece else -(-count // piece) if comm._fast.pieces else 0
                 assert _fast_ops(comm) - before == pieces, (dtype, op, count, before, _fast_ops(comm))
             # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
             k = max(1, count // n)
