@@ -10,12 +10,14 @@ the peers spin briefly in C until every rank published k with the same fingerpri
 the other (later ones wait for the earlier), so two slots suffice: nobody overwrites a slot a peer may
 still read. When every peer is already there, an operation never yields to the event loop.
 
-A larger all_reduce of a group of at most PIECED_MAX_RANKS ranks runs here too, as consecutive fast operations
-of PIECE_BYTES each (`hccl_fast_all_reduce_pieces`, up to PIECES_PER_CALL of them per call from Python). Each
-byte then crosses between cores once, through the owner's slot, and is read and written once more in the
-user's buffer: the ring over the transports makes a fourth pass over memory and pays Python per chunk
-(np 2, 64 MiB: 30.6 against 21.9 ms on 2 cores, 19.5 against 14.4 ms on 16; benchmarks/results/
-shm-pieces-2026-12-02.md). Every rank reads every rank's piece, so past 3 ranks the ring is faster.
+A larger all_reduce of a group of at most PIECED_MAX_RANKS ranks runs here too, in pieces of
+HETCCL_SHM_PIECE_BYTES, all in C (`hccl_fast_all_reduce_pieces`, up to PIECES_PER_CALL pieces per call from
+Python). Each piece is two fast operations: a reduce-scatter (each rank copies into its slot the parts of the
+piece that the others own) and an all-gather (each rank reduces its own part, from its buffer and the peers'
+slots, into its buffer and its next slot, and then copies the peers' reduced parts from theirs). Every byte
+then crosses between cores once each way and is reduced once, by one rank, so every rank gets the same bits.
+Against the ring over the transports, which pays Python per chunk (benchmarks/results/
+shm-rs-pieces-2026-12-02.md, 64 MiB on 16 cores): 1.15x at np 2, 1.2x at np 3, 1.8x at np 4 and 8.
 
 Guarantees, as on the transports:
 - waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher
@@ -63,13 +65,10 @@ _OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PROD, "min": ReduceOp.MIN, "max": 
 _ALL_REDUCE = int(CollOp.ALL_REDUCE)  # 1, as hccl_fast_all_reduce writes it
 _FAST_OPS = (CollOp.ALL_REDUCE, CollOp.BROADCAST, CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER, CollOp.BARRIER)
 NOT_STARTED, POSTED = 0, 1  # how far FastPath.now got with an operation it did not end
-# a large all_reduce runs as fast operations of this many bytes (at most the limit) in one C call: small enough
-# that a piece, its slot and the peers' slots stay in a core's L2 (the pieces below 1 MiB ran faster)
-PIECE_BYTES = 512 << 10
 PIECES_PER_CALL = 32  # the event loop runs between calls (doorbells, other collectives, lost peers)
-# every rank reads all n slots of a piece: measured on 16 cores (shm-pieces-2026-12-02.md), the pieces beat
-# the ring at np 3 from 4 MiB (3.38 against 2.52 GB/s at 64 MiB), the ring won at np 4 from 16 MiB
-PIECED_MAX_RANKS = 3
+# measured up to np 8 on 16 cores (shm-rs-pieces-2026-12-02.md): the pieces beat the ring at every np from 4 MiB
+# (np 8, 64 MiB: 3.29 against 1.83 GB/s); past 8 the ring, unmeasured
+PIECED_MAX_RANKS = 8
 
 
 def limit_for(group: Any) -> int:
@@ -122,6 +121,8 @@ class FastPath:
         self.limit = limit
         self.n, self.me = group.size, group.rank
         self.pieces = self.n <= PIECED_MAX_RANKS  # an all_reduce above the limit runs here (all_reduce_pieces)
+        self.piece_bytes = params.get("HETCCL_SHM_PIECE_BYTES")
+        self.slot_bytes = max(limit, self.piece_bytes) if self.pieces else limit  # a slot holds a whole piece
         self.comm_id = group.comm_id
         self.k = 0  # the next fast operation's number
         self.tail: asyncio.Future[None] | None = None  # completion of the last operation that went async
@@ -146,7 +147,7 @@ class FastPath:
 
     # ---- set-up (the first fast operation, on every rank) --------------------------------------------
     def _create(self) -> None:
-        size = lib.hccl_fast_seg_size(self.limit)
+        size = lib.hccl_fast_seg_size(self.slot_bytes)
         try:
             seg = Segment(self.own_name, size, create=True)
         except FileExistsError:  # a leftover of an earlier process with this job id: ours to replace
@@ -155,7 +156,7 @@ class FastPath:
         self.own = seg
         self.segs[self.me] = seg
         self.segs_c[self.me] = seg.cbase
-        lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 3), DATA_OFF + ((self.limit + 4095) & ~4095))
+        lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 3), DATA_OFF + ((self.slot_bytes + 4095) & ~4095))
         lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 4), 1)  # ready: the stride is written
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
@@ -167,7 +168,7 @@ class FastPath:
         """Idempotent: a set-up cut short (a timeout) goes on where it stopped at the next fast operation."""
         if self.own is None:
             self._create()
-        size = lib.hccl_fast_seg_size(self.limit)
+        size = lib.hccl_fast_seg_size(self.slot_bytes)
         prefix = self.own_name.rsplit("-", 1)[0]
         members = self.group.members
         for r in range(self.n):
@@ -286,13 +287,13 @@ class FastPath:
 
     async def all_reduce_pieces(self, fp: Fingerprint, data: np.ndarray, count: int, dtype: DType,
                                 op: ReduceOp) -> None:
-        """An all_reduce above the limit, in place: fast operations of PIECE_BYTES each, in C, numbered on from
-        self.k (every rank cuts the same pieces from the same count). Runs under the scheduler (deadline,
-        failures), after the fast operations before it."""
+        """An all_reduce above the limit, in place: two fast operations per piece of piece_bytes, in C, numbered
+        on from self.k (every rank cuts the same pieces and parts from the same count). Runs under the scheduler
+        (deadline, failures), after the fast operations before it."""
         isz = dtype.itemsize
-        piece = max(1, min(self.limit, PIECE_BYTES) // isz)
+        piece = max(1, self.piece_bytes // isz)
         k0 = self.k
-        self.k = k0 + -(-count // piece)
+        self.k = k0 + 2 * -(-count // piece)  # a reduce-scatter and an all-gather step per piece
         prev = self.tail
         mine = self.tail = asyncio.get_running_loop().create_future()
         try:

@@ -266,9 +266,13 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_SHM_FASTPATH_BYTES", "size", 1 << 20, "small-message fast path: a collective of a group whose ranks "
        "all share this host's memory (all_reduce, broadcast, all_gather, reduce_scatter, barrier) exchanges through a "
        "dedicated shared segment, in C, when each rank's part is at most this many bytes (for groups of more than "
-       "4 ranks, 2/(ranks - 2) of it: every rank reads every rank's part); a larger all_reduce of 2 or 3 ranks "
-       "runs there too, in pieces of at most 512 KiB; `0` turns it off",
+       "4 ranks, 2/(ranks - 2) of it: every rank reads every rank's part); a larger all_reduce of at most 8 ranks "
+       "runs there too, in pieces of `HETCCL_SHM_PIECE_BYTES`; `0` turns it off",
        "hetccl.fastpath", lo=0, hi=16 << 20, agree=True),
+    _P("HETCCL_SHM_PIECE_BYTES", "size", 1 << 20, "fast path: the piece of an all_reduce above "
+       "`HETCCL_SHM_FASTPATH_BYTES`, reduce-scattered and all-gathered through the segment one piece at a time "
+       "(small enough that a piece and its slots stay in a core's L2)", "hetccl.fastpath", lo=4096, hi=16 << 20,
+       agree=True),
     _P("HETCCL_SHM_SLOTS", "int", 16, "shared-memory ring: slots per peer", "hetccl.transports.shm", lo=2,
        hi=4096),
     _P("HETCCL_STORE_EXTERNAL", "bool", False, "`1`: rank 0 does not host the store (it runs at `HETCCL_ADDR` "

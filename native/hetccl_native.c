@@ -958,35 +958,85 @@ int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, u
     return hccl_fast_combine(buf, segs, n, k, count, dtype, op);
 }
 
-/* a large all_reduce as consecutive fast operations, one per piece, all in one call: the ring over the
- * transports pays Python per chunk and a fourth pass over memory (issue 17, fastpath.py) */
+/* elements [lo, hi) of a piece of m elements that rank r of n reduces: cut at 64-byte multiples so that no two
+ * ranks write one cache line */
+static void hccl_fast_part(uint64_t m, int n, int r, size_t isz, uint64_t *lo, uint64_t *hi)
+{
+    uint64_t align = 64 / isz, part = (m + n - 1) / n;
+    part = (part + align - 1) / align * align;
+    *lo = (uint64_t)r * part < m ? (uint64_t)r * part : m;
+    *hi = *lo + part < m ? *lo + part : m;
+}
+
+/* phase 1 of a piece: reduce this rank's part of its own buffer with the peers' parts from their phase-0 slots
+ * (operation k), into buf and into the slot of operation k + 1, where the peers copy it from. Own part first,
+ * then the peers in rank order: one rank computes each part, so every rank gets the same bits; the last peer
+ * goes in one pass with both destinations. -1, or -4 */
+static int hccl_fast_reduce_part(char *p, char **segs, int n, int me, uint64_t k, uint64_t lo, uint64_t len,
+                                 int dtype, int op)
+{
+    size_t isz = hccl_dtype_size(dtype), off = HCCL_FAST_DATA_OFF + lo * isz;
+    char *mine = p + lo * isz, *out = hccl_fast_slot(segs[me], k + 1) + off;
+    int rop = op == 4 ? 0 : op, last = me == n - 1 ? n - 2 : n - 1;
+    if (len == 0 || n < 2)
+        return -1;
+    for (int r = 0; r < n; r++)
+        if (r != me && r != last && hccl_reduce(mine, hccl_fast_slot(segs[r], k) + off, len, dtype, rop))
+            return -4;
+    const char *src = hccl_fast_slot(segs[last], k) + off;
+    if (op != 4)
+        return hccl_reduce3_dup(mine, out, mine, src, len, dtype, rop) ? -4 : -1;
+    if (hccl_reduce(mine, src, len, dtype, rop) || hccl_div(mine, len, dtype, n))
+        return -4;
+    memcpy(out, mine, len * isz);
+    return -1;
+}
+
+/* a large all_reduce as a reduce-scatter and an all-gather per piece, two fast operations each: every byte
+ * crosses between cores once each way and is reduced once (issue 17, fastpath.py) */
 int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
                                 int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
                                 uint64_t yield_ns, uint64_t *mask, uint64_t *state)
 {
     size_t isz = hccl_dtype_size(dtype);
-    if (!isz || op < 0 || op > 4 || piece == 0)
+    if (!isz || op < 0 || op > 4 || piece == 0 || n < 1)
         return -4;
     uint64_t w1 = 1 /* CollOp.ALL_REDUCE */ | ((uint64_t)dtype << 8) | ((uint64_t)op << 16);
-    uint64_t pieces = (count + piece - 1) / piece, ran = 0;
-    for (uint64_t i = *state >> 1; i < pieces; i++) {
-        uint64_t k = k0 + i, first = i * piece;
+    uint64_t steps = 2 * ((count + piece - 1) / piece), ran = 0;
+    for (uint64_t j = *state >> 1; j < steps; j++) {
+        uint64_t k = k0 + j, first = (j >> 1) * piece, lo, hi;
         uint64_t m = count - first < piece ? count - first : piece;
         char *p = (char *)buf + first * isz;
+        hccl_fast_part(m, n, me, isz, &lo, &hi);
         if (!(*state & 1)) {
-            if (ran++ == max_pieces)
-                return -5;
-            *state = 2 * i + 1;
-            *mask = hccl_fast_post(segs, n, me, k, seq, w1, count, ~(uint64_t)0, p, m * isz);
+            if (!(j & 1)) { /* phase 0: the parts the peers reduce, into the slot of operation k */
+                if (ran++ == max_pieces)
+                    return -5;
+                char *slot = hccl_fast_slot(segs[me], k) + HCCL_FAST_DATA_OFF;
+                memcpy(slot, p, lo * isz);
+                memcpy(slot + hi * isz, p + hi * isz, (m - hi) * isz);
+            } else { /* phase 1: every rank posted phase 0, so none reads our slot of operation k - 2 any more */
+                int r = hccl_fast_reduce_part(p, segs, n, me, k - 1, lo, hi - lo, dtype, op);
+                if (r != -1)
+                    return r;
+            }
+            *state = 2 * j + 1;
+            *mask = hccl_fast_post(segs, n, me, k, seq, w1, count, ~(uint64_t)0 - (j & 1), NULL, 0);
             if (*mask)
                 return -3;
         }
         int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
-        if (r == -1)
-            r = hccl_fast_combine(p, segs, n, k, m, dtype, op);
         if (r != -1)
             return r;
-        *state = 2 * (i + 1);
+        if (j & 1) /* phase 1 done everywhere: the peers' reduced parts */
+            for (int q = 0; q < n; q++) {
+                uint64_t qlo, qhi;
+                if (q == me)
+                    continue;
+                hccl_fast_part(m, n, q, isz, &qlo, &qhi);
+                memcpy(p + qlo * isz, hccl_fast_slot(segs[q], k) + HCCL_FAST_DATA_OFF + qlo * isz, (qhi - qlo) * isz);
+            }
+        *state = 2 * (j + 1);
     }
     return -1;
 }

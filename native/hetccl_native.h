@@ -104,13 +104,16 @@ int hccl_fast_reduce(void *dst, char **segs, int n, uint64_t k, size_t offset, s
  * when the dtype or op code is out of range). */
 int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, uint64_t count, void *buf,
                          int dtype, int op, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask);
-/* A large all_reduce in place as fast operations k0, k0 + 1, ...: operation k0 + i is piece i, elements
- * [i * piece, (i + 1) * piece) of buf, posted with the collective's fingerprint (seq, all_reduce | dtype | op,
- * count of the whole buffer, -1) and combined as hccl_fast_all_reduce does. *state (0 at the start) is
- * 2 * (pieces done) + 1 while the next piece is posted and not yet combined; a call goes on from it and posts
- * at most max_pieces pieces. Returns -1: all done; -5: max_pieces posted and combined, call again; -3: a piece
- * posted, the peers in *mask sleep (wake them, call again); -2: the wait for a posted piece ran out (wait as
- * hccl_fast_wait, call again); r >= 0: rank r disagrees at the posted piece; -4: unknown dtype or op. */
+/* A large all_reduce in place as fast operations k0, k0 + 1, ...: piece i, elements [i * piece, (i + 1) *
+ * piece) of buf, is operations k0 + 2i (each rank posts the parts of the piece that the others own; rank r owns
+ * the r-th of n 64-byte aligned parts) and k0 + 2i + 1 (each rank posts its part, reduced from its buffer and
+ * the peers' slots, then copies the peers' reduced parts into buf). Both carry the collective's fingerprint
+ * (seq, all_reduce | dtype | op, count of the whole buffer, -1 and -2). *state (0 at the start) is
+ * 2 * (operations done) + 1 while the next operation is posted and not yet waited for; a call goes on from it
+ * and starts at most max_pieces pieces. Returns -1: all done; -5: max_pieces pieces done, call again; -3: an
+ * operation posted, the peers in *mask sleep (wake them, call again); -2: the wait for a posted operation ran
+ * out (wait as hccl_fast_wait, call again); r >= 0: rank r disagrees at the posted operation; -4: unknown dtype
+ * or op. */
 int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
                                 int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
                                 uint64_t yield_ns, uint64_t *mask, uint64_t *state);

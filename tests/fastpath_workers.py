@@ -11,7 +11,7 @@ from workers import DTYPES, OPS, check, expected_reduce, make, np_dtype
 
 import hetccl
 
-LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096
+LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096 and HETCCL_SHM_PIECE_BYTES=4096
 
 
 def _fast_ops(comm: hetccl.Communicator) -> int:
@@ -21,21 +21,22 @@ def _fast_ops(comm: hetccl.Communicator) -> int:
 
 async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
     """Every dtype and op of all_reduce and reduce_scatter, all_gather, broadcast from every root and barrier,
-    at the limit (fast) and just above it (the transports; all_reduce: the fast path in pieces of the limit):
+    at the limit (fast) and just above it (the transports; all_reduce: the fast path in pieces):
     same results either way."""
     n, r = comm.size, comm.rank
     for dtype in DTYPES:
         isz = np_dtype(dtype).itemsize
-        piece = LIMIT // isz
-        for count in (1, 7, piece, piece + 1, 3 * piece + 5):
+        limit, piece = comm._fast.limit // isz, comm._fast.piece_bytes // isz
+        for count in sorted({1, 7, limit, limit + 1, piece, piece + 1, 3 * piece + 5}):
             for op in OPS:
                 before = _fast_ops(comm)
                 buf = make(r, count, dtype, salt=3)
                 await comm.all_reduce(buf, op=op)
                 check(buf, expected_reduce(n, count, dtype, op, salt=3), f"all_reduce {dtype} {op} x{count}")
-                # one fast operation per piece; past fastpath.PIECED_MAX_RANKS, above the limit: the transports
-                pieces = 1 if count <= piece else -(-count // piece) if comm._fast.pieces else 0
-                assert _fast_ops(comm) - before == pieces, (dtype, op, count, before, _fast_ops(comm))
+                # one fast operation, or two per piece (reduce-scatter, all-gather); past
+                # fastpath.PIECED_MAX_RANKS, above the limit: the transports
+                steps = 1 if count <= limit else 2 * -(-count // piece) if comm._fast.pieces else 0
+                assert _fast_ops(comm) - before == steps, (dtype, op, count, before, _fast_ops(comm))
             # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
             k = max(1, count // n)
             for op in ("sum", "max", "avg"):

@@ -10,13 +10,16 @@ import sys
 import pytest
 from rankrun import HERE, ROOT, assert_victim_named, finish, run_ranks, spawn_ranks
 
-FAST = {"HETCCL_SHM_FASTPATH_BYTES": "4096", "HETCCL_TIMEOUT": "20"}
+FAST = {"HETCCL_SHM_FASTPATH_BYTES": "4096", "HETCCL_SHM_PIECE_BYTES": "4096", "HETCCL_TIMEOUT": "20"}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n", [2, 3])
-def test_every_dtype_op_and_collective_at_the_edge(n: int) -> None:
-    proc = run_ranks(n, "fastpath_workers:every_dtype_and_op", env=FAST, timeout=280)
+@pytest.mark.parametrize(("n", "piece"), [(2, "4096"), (3, "4096"), (2, "12K"), (3, "12K"), (5, "12K")])
+def test_every_dtype_op_and_collective_at_the_edge(n: int, piece: str) -> None:
+    """piece 12K: pieces larger than the limit (the slots grow to hold one); np 5: a smaller limit (the segment
+    shrinks it past 4 ranks) and parts that do not divide the piece evenly."""
+    env = {**FAST, "HETCCL_SHM_PIECE_BYTES": piece}
+    proc = run_ranks(n, "fastpath_workers:every_dtype_and_op", env=env, timeout=280)
     assert proc.stdout.count("fast ok") == n, proc.stdout
 
 
