@@ -16,8 +16,9 @@ Python). Each piece is two fast operations: a reduce-scatter (each rank copies i
 piece that the others own) and an all-gather (each rank reduces its own part, from its buffer and the peers'
 slots, into its buffer and its next slot, and then copies the peers' reduced parts from theirs). Every byte
 then crosses between cores once each way and is reduced once, by one rank, so every rank gets the same bits.
-Against the ring over the transports, which pays Python per chunk (benchmarks/results/
-shm-rs-pieces-2026-12-02.md, 64 MiB on 16 cores): 1.15x at np 2, 1.2x at np 3, 1.8x at np 4 and 8.
+At 64 MiB on 16 cores (benchmarks/results/shm-rs-pieces-2026-12-02.md) that is 1.15x and 1.2x the earlier
+pieces (each rank reduced the whole piece) at np 2 and 3, and 1.8x the ring over the transports (which pays
+Python per chunk) at np 4 and 8.
 
 Guarantees, as on the transports:
 - waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher

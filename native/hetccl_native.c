@@ -1034,7 +1034,8 @@ int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_
                 if (q == me)
                     continue;
                 hccl_fast_part(m, n, q, isz, &qlo, &qhi);
-                memcpy(p + qlo * isz, hccl_fast_slot(segs[q], k) + HCCL_FAST_DATA_OFF + qlo * isz, (qhi - qlo) * isz);
+                const char *theirs = hccl_fast_slot(segs[q], k) + HCCL_FAST_DATA_OFF + qlo * isz;
+                memcpy(p + qlo * isz, theirs, (qhi - qlo) * isz);
             }
         *state = 2 * (j + 1);
     }
