@@ -273,6 +273,10 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "`HETCCL_SHM_FASTPATH_BYTES`, reduce-scattered and all-gathered through the segment one piece at a time "
        "(small enough that a piece and its slots stay in a core's L2)", "hetccl.fastpath", lo=4096, hi=16 << 20,
        agree=True),
+    _P("HETCCL_SHM_SINGLE_COPY", "bool", True, "fast path: an all_reduce above `HETCCL_SHM_FASTPATH_BYTES` copies "
+       "straight between the ranks' buffers with the kernel's cross-memory attach (`process_vm_readv`/`writev`) "
+       "where every rank may do so (same user, no Yama or seccomp refusal: tried at set-up); `0`: the pieces",
+       "hetccl.fastpath"),
     _P("HETCCL_SHM_SLOTS", "int", 16, "shared-memory ring: slots per peer", "hetccl.transports.shm", lo=2,
        hi=4096),
     _P("HETCCL_STORE_EXTERNAL", "bool", False, "`1`: rank 0 does not host the store (it runs at `HETCCL_ADDR` "

@@ -26,6 +26,13 @@
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+#if defined(__linux__)
+#include <errno.h>
+#include <sys/uio.h>
+#define HCCL_CMA 1
+#else
+#define HCCL_CMA 0
+#endif
 
 #include "hetccl_native.h"
 
@@ -796,6 +803,10 @@ int hccl_wait_any_change(uint64_t **addrs, const uint64_t *vals, int n, uint64_t
 #define HCCL_FAST_ANN_N 64
 #define HCCL_FAST_SLOTS_OFF 8192
 #define HCCL_FAST_DATA_OFF 4096
+/* header words (64 bytes apart) of the single-copy all_reduce, after 0-4 (hetccl/fastpath.py names them all) */
+#define HCCL_FAST_ABANDONED 5
+#define HCCL_FAST_BUSY 6
+#define HCCL_FAST_BASE 8
 
 static size_t hccl_fast_stride(size_t max_bytes)
 {
@@ -1038,6 +1049,109 @@ int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_
                 memcpy(p + qlo * isz, theirs, (qhi - qlo) * isz);
             }
         *state = 2 * (j + 1);
+    }
+    return -1;
+}
+
+/* ---- the single-copy all_reduce: cross-memory attach (process_vm_readv/writev) ------------------- */
+
+#if HCCL_CMA
+/* one kernel copy of len bytes between this process and rank q's (pid): 0, or the errno (EFAULT if short) */
+static int hccl_cma_copy(int64_t pid, void *mine, uint64_t theirs, size_t len, int write)
+{
+    struct iovec l = {mine, len}, r = {(void *)(uintptr_t)theirs, len};
+    ssize_t got = write ? process_vm_writev((pid_t)pid, &l, 1, &r, 1, 0)
+                        : process_vm_readv((pid_t)pid, &l, 1, &r, 1, 0);
+    return got == (ssize_t)len ? 0 : got < 0 ? errno : EFAULT;
+}
+#endif
+
+int hccl_cma_probe(int64_t pid, uint64_t addr, uint64_t expect)
+{
+#if HCCL_CMA
+    uint64_t got = 0;
+    /* write only into the process whose memory holds the cookie at addr: a pid of another namespace, or a
+     * reused one, reads something else and is never written */
+    if (hccl_cma_copy(pid, &got, addr, 8, 0) || got != expect)
+        return 0;
+    return hccl_cma_copy(pid, &got, addr, 8, 1) == 0;
+#else
+    (void)pid, (void)addr, (void)expect;
+    return 0;
+#endif
+}
+
+int hccl_fast_all_reduce_cma(char **segs, int n, int me, uint64_t k, const int64_t *pids, const uint64_t *addrs,
+                             uint64_t count, void *buf, int dtype, int op, void *tmp, uint64_t chunk,
+                             uint64_t max_chunks, uint64_t *state, int *bad, int *err)
+{
+#if HCCL_CMA
+    size_t isz = hccl_dtype_size(dtype);
+    if (!isz || op < 0 || op > 4 || chunk < isz || n < 2)
+        return -4;
+    uint64_t lo, hi, step = chunk / isz, ran = 0;
+    int rop = op == 4 ? 0 : op, rc = -1;
+    hccl_fast_part(count, n, me, isz, &lo, &hi);
+    uint64_t *busy = hccl_fast_word(segs[me], HCCL_FAST_BUSY);
+    /* busy, then the abandoned words (seq_cst both sides, hccl_fast_abandon): a rank that abandons either sees
+     * us busy and waits, or we see its word before we write */
+    __atomic_store_n(busy, k + 1, __ATOMIC_SEQ_CST);
+    for (uint64_t i = lo + *state / isz; i < hi; i += step) {
+        uint64_t len = hi - i < step ? hi - i : step;
+        char *mine = (char *)buf + i * isz;
+        if (ran++ == max_chunks) {
+            rc = -5;
+            break;
+        }
+        for (int q = 0; q < n && rc == -1; q++)
+            if (q != me && __atomic_load_n(hccl_fast_word(segs[q], HCCL_FAST_ABANDONED), __ATOMIC_SEQ_CST))
+                *bad = q, rc = -6;
+        /* own first, then the peers in rank order: one rank computes each element, every rank gets its bits */
+        for (int q = 0; q < n && rc == -1; q++) {
+            if (q == me)
+                continue;
+            if ((*err = hccl_cma_copy(pids[q], tmp, addrs[q] + i * isz, len * isz, 0)))
+                *bad = q, rc = -7;
+            else if (hccl_reduce(mine, tmp, len, dtype, rop))
+                rc = -4;
+        }
+        if (rc == -1 && op == 4 && hccl_div(mine, len, dtype, n))
+            rc = -4;
+        for (int q = 0; q < n && rc == -1; q++)
+            if (q != me && (*err = hccl_cma_copy(pids[q], mine, addrs[q] + i * isz, len * isz, 1)))
+                *bad = q, rc = -7;
+        if (rc != -1)
+            break;
+        *state = (i + len - lo) * isz;
+    }
+    __atomic_store_n(busy, 0, __ATOMIC_SEQ_CST);
+    return rc;
+#else
+    (void)segs, (void)n, (void)me, (void)k, (void)pids, (void)addrs, (void)count, (void)buf, (void)dtype;
+    (void)op, (void)tmp, (void)chunk, (void)max_chunks, (void)state, (void)bad, (void)err;
+    return -8;
+#endif
+}
+
+int hccl_fast_abandon(char **segs, int n, int me, uint64_t k, const int64_t *pids, uint64_t wait_ns)
+{
+    __atomic_store_n(hccl_fast_word(segs[me], HCCL_FAST_ABANDONED), k + 1, __ATOMIC_SEQ_CST);
+    uint64_t end = hccl_sat_add(hccl_now_ns(), wait_ns);
+    for (int q = 0; q < n; q++) {
+        if (q == me)
+            continue;
+        while (__atomic_load_n(hccl_fast_word(segs[q], HCCL_FAST_BUSY), __ATOMIC_SEQ_CST) == k + 1) {
+#if HCCL_CMA
+            uint64_t probe;
+            /* a rank killed inside the copy stays busy forever, but writes no more */
+            uint64_t base = __atomic_load_n(hccl_fast_word(segs[q], HCCL_FAST_BASE), __ATOMIC_RELAXED);
+            if (hccl_cma_copy(pids[q], &probe, base + 64 * HCCL_FAST_BUSY, 8, 0) == ESRCH)
+                break;
+#endif
+            if (hccl_now_ns() >= end)
+                return q;
+            sched_yield();
+        }
     }
     return -1;
 }

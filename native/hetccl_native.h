@@ -78,7 +78,7 @@ int hccl_wait_any_change(uint64_t **addrs, const uint64_t *vals, int n, uint64_t
 size_t hccl_fast_seg_size(size_t max_bytes);
 /* the addresses inside a segment: what Python reads to name a mismatch and to wake a sleeper */
 uint64_t *hccl_fast_word(char *seg, int which);
-/* 0: mapped count, 1: waiting flag, 2: published count */
+/* 0: mapped count, 1: waiting flag, 2: published count (the others: fastpath.py) */
 char *hccl_fast_slot(char *seg, uint64_t k);
 /* the slot's header (4 words), data at + 4096 */
 uint64_t *hccl_fast_announce_entry(char *seg, uint64_t seq);
@@ -117,6 +117,28 @@ int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, u
 int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
                                 int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
                                 uint64_t yield_ns, uint64_t *mask, uint64_t *state);
+/* The single-copy all_reduce (fastpath.py), for a large all_reduce in place where the kernel lets the ranks copy
+ * between their processes (cross-memory attach: process_vm_readv/writev, the single copy of Open MPI's vader):
+ * it runs between fast operations k (every rank posted its buffer's address) and k + 1 (every rank is done
+ * writing into the others' buffers). Rank r reduces the r-th of n 64-byte aligned parts of the whole buffer,
+ * chunk bytes at a time: it reads the chunk from every peer's buffer into tmp, reduces it into its own buffer
+ * (its own elements first, then the peers' in rank order; one rank computes each element, so every rank gets
+ * the same bits; op 4 is avg), and writes the result into every peer's buffer. pids[q], addrs[q]: rank q's
+ * process and buffer. *state (0 at the start) counts the bytes of the part done; a call does at most max_chunks
+ * chunks. While it runs, this rank's busy word is k + 1, and it reads every peer's abandoned word before each
+ * chunk. Returns -1: the part is done; -5: max_chunks done, call again; -6: rank *bad abandoned the operation
+ * (nothing more was written); -7: the kernel refused a copy from or to rank *bad (*err: its errno); -4: unknown
+ * dtype or op; -8: this build has no cross-memory attach (not Linux). */
+int hccl_fast_all_reduce_cma(char **segs, int n, int me, uint64_t k, const int64_t *pids, const uint64_t *addrs,
+                             uint64_t count, void *buf, int dtype, int op, void *tmp, uint64_t chunk,
+                             uint64_t max_chunks, uint64_t *state, int *bad, int *err);
+/* Whether this process may copy to and from process pid: reads 8 bytes at addr there, and only when they equal
+ * expect (a cookie: the process it means, not another with that pid) writes them back. 1: both worked. */
+int hccl_cma_probe(int64_t pid, uint64_t addr, uint64_t expect);
+/* Leave single-copy operation k before it ended: raise this rank's abandoned word, then wait (at most wait_ns)
+ * until no peer is inside hccl_fast_all_reduce_cma for k (a peer that died there counts as out), so that none
+ * writes into this rank's buffer after the return. -1, or the first peer still inside when the time ran out. */
+int hccl_fast_abandon(char **segs, int n, int me, uint64_t k, const int64_t *pids, uint64_t wait_ns);
 /* monotonic clock (CLOCK_MONOTONIC) in nanoseconds */
 uint64_t hccl_now_ns(void);
 /* a short, static string describing the build: compiler, whether target_clones is active, which

@@ -19,6 +19,13 @@ def _fast_ops(comm: hetccl.Communicator) -> int:
     return comm._fast.k
 
 
+def _check_path(comm: hetccl.Communicator) -> None:
+    """The large all_reduce's path that the set-up agreed on is the one the test asked for (TEST_SINGLE_COPY)."""
+    fast = comm._fast
+    want = os.environ.get("TEST_SINGLE_COPY") == "1"
+    assert fast is not None and fast.ready and fast.single_copy == (want and fast.pieces), (fast.single_copy, want)
+
+
 async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
     """Every dtype and op of all_reduce and reduce_scatter, all_gather, broadcast from every root and barrier,
     at the limit (fast) and just above it (the transports; all_reduce: the fast path in pieces):
@@ -33,8 +40,8 @@ async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
                 buf = make(r, count, dtype, salt=3)
                 await comm.all_reduce(buf, op=op)
                 check(buf, expected_reduce(n, count, dtype, op, salt=3), f"all_reduce {dtype} {op} x{count}")
-                # one fast operation, or two per piece (reduce-scatter, all-gather); past
-                # fastpath.PIECED_MAX_RANKS, above the limit: the transports
+                # one fast operation, or two per piece (reduce-scatter, all-gather; the single copy takes the same
+                # numbers and uses the first two); past fastpath.PIECED_MAX_RANKS, above the limit: the transports
                 steps = 1 if count <= limit else 2 * -(-count // piece) if comm._fast.pieces else 0
                 assert _fast_ops(comm) - before == steps, (dtype, op, count, before, _fast_ops(comm))
             # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
@@ -54,6 +61,7 @@ async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
                 await comm.broadcast(b, root=root)
                 check(b, make(root, count, dtype, salt=7), f"broadcast {dtype} x{count} root {root}")
             await comm.barrier()
+    _check_path(comm)
     # in-place all_gather (inp is this rank's block of out) and the sub-groups of a split
     out = np.zeros(n * 8, np.float32)
     out[r * 8:(r + 1) * 8] = r + 1
@@ -143,13 +151,47 @@ async def die_waiting(comm: hetccl.Communicator, victim: int, count: int = 256) 
     os._exit(5)
 
 
+async def die_in_copy(comm: hetccl.Communicator, victim: int) -> None:
+    """The victim exits hard, from a timer thread, while every rank runs 32 MiB all_reduces (the single copy):
+    the others raise PeerLostError naming it."""
+    import threading
+
+    buf = np.ones(8 << 20, np.float32)
+    await comm.all_reduce(buf)
+    _check_path(comm)
+    if comm.rank == victim:  # the main thread is in C then, nearly always (the copy releases the GIL)
+        threading.Timer(0.2, os._exit, (17,)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            await comm.all_reduce(buf)
+    except hetccl.PeerLostError as exc:
+        took = time.monotonic() - t0
+        print(f"rank {comm.rank}: PeerLostError rank={exc.rank} after {took:.2f} s: {exc}", flush=True)
+        await asyncio.sleep(2)
+        os._exit(0 if exc.rank in (victim, -1) else 3)
+    except hetccl.HetcclError as exc:
+        print(f"rank {comm.rank}: other error {exc!r}", flush=True)
+        os._exit(4)
+    os._exit(5)
+
+
 async def late_rank_times_out(comm: hetccl.Communicator, count: int = 8) -> None:
     """Rank 1 arrives after the timeout: rank 0's fast all_reduce (of `count` floats) raises CollectiveTimeout
-    naming it."""
+    naming it. Where rank 0 left a single copy, rank 1's all_reduce then raises at once that it did."""
     buf = np.ones(count, np.float32)
     await comm.all_reduce(buf)
     if comm.rank == 1:
         await asyncio.sleep(6)
+        if comm._fast.single_copy and count * 4 > comm._fast.limit:
+            t0 = time.monotonic()
+            try:
+                await comm.all_reduce(buf)
+            except hetccl.HetcclError as exc:
+                assert "left a single-copy all_reduce" in str(exc) and time.monotonic() - t0 < 2, str(exc)
+                os.write(1, f"late rank refused ok: {exc}\n".encode())
+                return
+            raise AssertionError("rank 1's all_reduce completed after rank 0 left it")
         os.write(1, b"late rank done\n")
         return
     t0 = time.monotonic()

@@ -13,12 +13,25 @@ from rankrun import HERE, ROOT, assert_victim_named, finish, run_ranks, spawn_ra
 FAST = {"HETCCL_SHM_FASTPATH_BYTES": "4096", "HETCCL_SHM_PIECE_BYTES": "4096", "HETCCL_TIMEOUT": "20"}
 
 
+def copy_env(copy: str) -> dict[str, str]:
+    """HETCCL_SHM_SINGLE_COPY=copy, and what the workers must find: the single copy where it is asked for and the
+    kernel lets sibling processes attach (no Yama ptrace restriction), the pieces otherwise."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", encoding="ascii") as f:
+            attach = int(f.read()) == 0
+    except FileNotFoundError:
+        attach = sys.platform.startswith("linux")
+    return {"HETCCL_SHM_SINGLE_COPY": copy, "TEST_SINGLE_COPY": "1" if copy == "1" and attach else "0"}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("n", "piece"), [(2, "4096"), (3, "4096"), (2, "12K"), (3, "12K"), (5, "12K")])
-def test_every_dtype_op_and_collective_at_the_edge(n: int, piece: str) -> None:
-    """piece 12K: pieces larger than the limit (the slots grow to hold one); np 5: a smaller limit (the segment
-    shrinks it past 4 ranks) and parts that do not divide the piece evenly."""
-    env = {**FAST, "HETCCL_SHM_PIECE_BYTES": piece}
+@pytest.mark.parametrize(("n", "piece", "copy"), [(2, "4096", "0"), (3, "4096", "0"), (2, "12K", "0"), (3, "12K", "0"),
+                                                 (5, "12K", "0"), (2, "4096", "1"), (3, "12K", "1"), (5, "12K", "1")])
+def test_every_dtype_op_and_collective_at_the_edge(n: int, piece: str, copy: str) -> None:
+    """Above the limit an all_reduce takes the single copy (copy 1) or the pieces (copy 0). piece 12K: pieces
+    larger than the limit (the slots grow to hold one); np 5: a smaller limit (the segment shrinks it past 4
+    ranks) and parts that do not divide evenly."""
+    env = {**FAST, "HETCCL_SHM_PIECE_BYTES": piece, **copy_env(copy)}
     proc = run_ranks(n, "fastpath_workers:every_dtype_and_op", env=env, timeout=280)
     assert proc.stdout.count("fast ok") == n, proc.stdout
 
@@ -37,20 +50,33 @@ def test_mismatch_raises_on_every_rank(kind: str) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,victim,count", [(2, 1, 256), (3, 0, 256), (2, 0, 100_000)])
-def test_dead_peer_raises_peer_lost(n: int, victim: int, count: int) -> None:
+@pytest.mark.parametrize("n,victim,count,copy", [(2, 1, 256, "1"), (3, 0, 256, "1"), (2, 0, 100_000, "0"),
+                                                (2, 0, 100_000, "1")])
+def test_dead_peer_raises_peer_lost(n: int, victim: int, count: int, copy: str) -> None:
     before = set(glob.glob("/dev/shm/hetccl-*"))
-    procs = spawn_ranks(n, "fastpath_workers:die_waiting", env=FAST, victim=victim, count=count)
+    procs = spawn_ranks(n, "fastpath_workers:die_waiting", env={**FAST, **copy_env(copy)}, victim=victim, count=count)
     assert_victim_named(finish(procs, 60), victim)
     assert set(glob.glob("/dev/shm/hetccl-*")) <= before
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("count", [8, 100_000])
-def test_late_rank_times_out(count: int) -> None:
-    env = dict(FAST, HETCCL_TIMEOUT="3", HETCCL_HANG_REPORT="0")
+@pytest.mark.parametrize("n,victim", [(2, 1), (3, 2)])
+def test_dead_peer_in_the_single_copy(n: int, victim: int) -> None:
+    """The victim exits hard from another thread while the ranks copy 32 MiB all_reduces between their buffers:
+    the others raise PeerLostError naming it (the kernel's ESRCH, or the lost connection), never a result."""
+    env = {**FAST, **copy_env("1"), "HETCCL_SHM_FASTPATH_BYTES": "1M"}
+    procs = spawn_ranks(n, "fastpath_workers:die_in_copy", env=env, victim=victim)
+    assert_victim_named(finish(procs, 90), victim)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("count,copy", [(8, "1"), (100_000, "0"), (100_000, "1")])
+def test_late_rank_times_out(count: int, copy: str) -> None:
+    env = dict(FAST, HETCCL_TIMEOUT="3", HETCCL_HANG_REPORT="0", **copy_env(copy))
     proc = run_ranks(2, "fastpath_workers:late_rank_times_out", env=env, expect_rc=None, count=count)
     assert "timeout ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    if env["TEST_SINGLE_COPY"] == "1" and count > 1024:
+        assert "late rank refused ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)
@@ -66,13 +92,15 @@ def test_not_over_tcp() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_torch_backend_under_torchrun() -> None:
-    """The "hetccl" torch.distributed backend under torchrun: small CPU collectives take the fast path."""
+@pytest.mark.parametrize("copy", ["1", "0"])
+def test_torch_backend_under_torchrun(copy: str) -> None:
+    """The "hetccl" torch.distributed backend under torchrun: small CPU collectives take the fast path, larger
+    all_reduces the single copy or the pieces."""
     pytest.importorskip("torch")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "torch_fastpath.py")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               HETCCL_TIMEOUT="60")
+               HETCCL_TIMEOUT="60", **copy_env(copy))
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0 and proc.stdout.count("torch fast ok") == 2, proc.stdout + proc.stderr[-6000:]
 

@@ -48,9 +48,9 @@ def main() -> None:
     assert (rs == n * torch.arange(4 * r, 4 * r + 4, dtype=torch.float32)).all(), rs
     dist.barrier()
     assert fast.k - before >= 8 * 4 + 40 + 4, (before, fast.k)
-    # above the limit (HETCCL_SHM_FASTPATH_BYTES, 1 MiB) an all_reduce of 2 ranks runs there in pieces; a sum of
-    # distinct values per element and rank, and the average, checked exactly (each part of a piece is reduced
-    # once, by the rank that owns it)
+    # above the limit (HETCCL_SHM_FASTPATH_BYTES, 1 MiB) an all_reduce of 2 ranks runs there, by the single copy or
+    # in pieces; a sum of distinct values per element and rank, and the average, checked exactly (each part is
+    # reduced once, by the rank that owns it)
     count = (3 << 20) // 4 + 13
     at = fast.k
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -59,8 +59,11 @@ def main() -> None:
         want = n * (torch.arange(count, dtype=torch.float32) % 1024) + 2048 * sum(range(n))
         want = want / n if op == dist.ReduceOp.AVG else want
         assert torch.equal(t, want), (op, t[:4], want[:4])
+    # the path agreed at set-up: the single copy where asked for and the kernel allows it (test_fastpath.copy_env)
+    assert fast.single_copy == (fast.pieces and os.environ.get("TEST_SINGLE_COPY") == "1"), fast.single_copy
     if fast.pieces:
-        # two all_reduces, two fast operations per piece (a reduce-scatter and an all-gather step)
+        # two all_reduces, two fast operations per piece (a reduce-scatter and an all-gather step; the single copy
+        # takes the same numbers and uses the first two)
         assert fast.k - at == 2 * 2 * -(-count * 4 // fast.piece_bytes), (at, fast.k)
     print(f"rank {r} torch fast ok ({fast.k - before} fast operations)", flush=True)
     dist.destroy_process_group()
