@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import numpy as np
 from workers import DTYPES, OPS, check, expected_reduce, make, np_dtype
@@ -136,13 +137,18 @@ async def die_waiting(comm: hetccl.Communicator, victim: int, count: int = 256) 
     if comm.rank == victim:
         await asyncio.sleep(0.3)  # the others are asleep in the fast path's wait by now
         os._exit(17)
+    await _expect_lost(comm, victim, lambda: comm.all_reduce(buf))
+
+
+async def _expect_lost(comm: hetccl.Communicator, victim: int, run: Any) -> None:
+    """Await run(): exit 0 on a PeerLostError naming the victim within 10 s, non-zero on anything else."""
     t0 = time.monotonic()
     try:
-        await comm.all_reduce(buf)
+        await run()
     except hetccl.PeerLostError as exc:
         took = time.monotonic() - t0
         assert took < 10, f"took {took:.1f} s"
-        print(f"rank {comm.rank}: PeerLostError rank={exc.rank}: {exc}", flush=True)
+        print(f"rank {comm.rank}: PeerLostError rank={exc.rank} after {took:.2f} s: {exc}", flush=True)
         await asyncio.sleep(2)
         os._exit(0 if exc.rank in (victim, -1) else 3)
     except hetccl.HetcclError as exc:
@@ -161,19 +167,12 @@ async def die_in_copy(comm: hetccl.Communicator, victim: int) -> None:
     _check_path(comm)
     if comm.rank == victim:  # the main thread is in C then, nearly always (the copy releases the GIL)
         threading.Timer(0.2, os._exit, (17,)).start()
-    t0 = time.monotonic()
-    try:
+
+    async def many() -> None:
         for _ in range(1000):
             await comm.all_reduce(buf)
-    except hetccl.PeerLostError as exc:
-        took = time.monotonic() - t0
-        print(f"rank {comm.rank}: PeerLostError rank={exc.rank} after {took:.2f} s: {exc}", flush=True)
-        await asyncio.sleep(2)
-        os._exit(0 if exc.rank in (victim, -1) else 3)
-    except hetccl.HetcclError as exc:
-        print(f"rank {comm.rank}: other error {exc!r}", flush=True)
-        os._exit(4)
-    os._exit(5)
+
+    await _expect_lost(comm, victim, many)
 
 
 async def late_rank_times_out(comm: hetccl.Communicator, count: int = 8) -> None:
