@@ -315,6 +315,11 @@ class Fabric:
             with contextlib.suppress(Exception):
                 await asyncio.wait(pending, timeout=min(timeout, self.settings.timeout))
 
+    def report_lost(self, peer: int, exc: PeerLostError) -> None:
+        """Another layer saw `peer` die before its transports did (the fast path's kernel copy: ESRCH): the same
+        as a transport's report, so that closing does not wait for it."""
+        self._peer_lost(peer, exc)
+
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
         if self.closed or peer in self.lost:
             return

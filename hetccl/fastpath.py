@@ -29,7 +29,8 @@ rank is done with the others' buffers. No slot is written, and there are two syn
 piece: at np 2, 64 MiB took 11.9-12.9 ms against the pieces' 15.5-17.2 on 2 cores, and 4 MiB 0.45 against
 0.95 ms (benchmarks/results/shm-single-copy-2026-12-02.md). Since the peers write into this rank's memory, a rank that
 leaves before the second operation (an error, the deadline) raises its abandoned word, which every peer reads
-before each chunk, and waits until none is inside a chunk; the peers then raise at once, naming it.
+before each chunk, and waits until none is inside a chunk; the peers stop copying and raise what made it leave
+(a lost peer, a mismatch), or the deadline's CollectiveTimeout: the cause, as every rank does.
 
 Guarantees, as on the transports:
 - waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher
@@ -310,17 +311,6 @@ class FastPath:
             raise poisoned
         if self.closed:
             raise HetcclError("communicator is closed; create a new one with hetccl.init()")
-        if self.single_copy:
-            for r in range(self.n):
-                if lib.hccl_load_acquire(lib.hccl_fast_word(self.segs_c[r], ABANDONED)):
-                    raise self._abandoned(r)
-
-    def _abandoned(self, r: int) -> HetcclError:
-        who = "this rank" if r == self.me else f"rank {self.group.members[r]}"
-        return HetcclError(
-            f"rank {self.fabric.rank}: {who} left a single-copy all_reduce of communicator {self.comm_id:#x} before "
-            "it ended (on an error of its own, in its output), so the fast path's ranks are out of step; create a "
-            "new communicator (hetccl.init, or shrink)")
 
     def _mismatch(self, fp: Fingerprint, k: int, r: int) -> BaseException:
         seg = self.segs_c[r]
@@ -428,13 +418,15 @@ class FastPath:
                     self._check_peers()
                     await asyncio.sleep(0)
                     continue
-                self._check_peers()  # a lost peer (the kernel's ESRCH) or an abandonment, named as such
+                self._check_peers()  # a lost peer (the kernel's ESRCH), named as such
                 q = self.group.members[bad[0]]
                 if r == -6:
-                    raise self._abandoned(bad[0])
+                    await self._wait_for_cause(fp, q)
                 if r == -7 and err[0] == errno.ESRCH:
-                    raise PeerLostError(f"rank {self.fabric.rank}: rank {q}'s process ended during {fp.describe()} "
-                                        "(its buffer went with it)", q)
+                    lost = PeerLostError(f"rank {self.fabric.rank}: rank {q}'s process ended during {fp.describe()} "
+                                         "(its buffer went with it)", q)
+                    self.fabric.report_lost(q, lost)
+                    raise lost
                 if r == -7:
                     raise HetcclError(f"rank {self.fabric.rank}: {fp.describe()}: the kernel refused to copy to or "
                                       f"from rank {q} ({os.strerror(err[0])}); set HETCCL_SHM_SINGLE_COPY=0 to "
@@ -453,6 +445,16 @@ class FastPath:
                                 "it may yet write into this rank's buffer", self.fabric.rank, self.group.members[q],
                                 fp.describe(), ABANDON_WAIT_NS / 1e9)
             raise
+
+    async def _wait_for_cause(self, fp: Fingerprint, q: int) -> None:
+        """Rank q left the single copy (nothing more is written into its buffer): what made it leave ends this
+        rank's wait too, and is what it raises, as every rank does (a lost peer, a mismatch; else the deadline's
+        CollectiveTimeout), rather than the mere fact that q left."""
+        log.warning("rank %d: rank %d left %s before it ended; this rank waits for the cause (a lost peer, a "
+                    "mismatch) or the deadline", self.fabric.rank, q, fp.describe())
+        while True:
+            self._check_peers()
+            await asyncio.sleep(SAFETY_S)
 
     def try_all_reduce(self, group: Any, arr: Any, op: Any) -> Any:
         """The facade's shortcut for an all_reduce of a plain numpy array (the torch backend's and most
