@@ -421,7 +421,7 @@ class FastPath:
                 self._check_peers()  # a lost peer (the kernel's ESRCH), named as such
                 q = self.group.members[bad[0]]
                 if r == -6:
-                    await self._wait_for_cause(fp, q)
+                    await self._wait_for_cause(fp, q)  # never returns: it raises the cause
                 if r == -7 and err[0] == errno.ESRCH:
                     lost = PeerLostError(f"rank {self.fabric.rank}: rank {q}'s process ended during {fp.describe()} "
                                          "(its buffer went with it)", q)

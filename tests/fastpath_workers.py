@@ -162,6 +162,19 @@ async def _expect_lost(comm: hetccl.Communicator, victim: int, run: Any) -> None
     os._exit(5)
 
 
+async def large_all_reduces(comm: hetccl.Communicator) -> None:
+    """All_reduces above the limit (one piece and a half, and 3 pieces + 5), sum and avg, on the path that the set-up
+    agreed on (TEST_SINGLE_COPY)."""
+    n, r = comm.size, comm.rank
+    for count in (LIMIT // 4 * 3 // 2, 3 * LIMIT // 4 + 5):
+        for op in ("sum", "avg"):
+            buf = make(r, count, "float32", salt=4)
+            await comm.all_reduce(buf, op=op)
+            check(buf, expected_reduce(n, count, "float32", op, salt=4), f"all_reduce {op} x{count}")
+    _check_path(comm)
+    os.write(1, f"rank {r} large ok (single copy: {comm._fast.single_copy})\n".encode())
+
+
 async def die_in_copy(comm: hetccl.Communicator, victim: int) -> None:
     """The victim exits hard, from a timer thread, while every rank runs 32 MiB all_reduces (the single copy):
     the others raise PeerLostError naming it."""

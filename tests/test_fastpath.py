@@ -60,6 +60,17 @@ def test_dead_peer_raises_peer_lost(n: int, victim: int, count: int, copy: str) 
 
 
 @pytest.mark.timeout(120)
+def test_one_rank_without_the_single_copy_gives_every_rank_the_pieces() -> None:
+    """Rank 1 cannot take the single copy (HETCCL_SHM_SINGLE_COPY=0 there stands for a kernel that refuses it the
+    attach): set-up agrees on the pieces on every rank, and the results are right."""
+    import json
+
+    env = {**FAST, **copy_env("0"), "TEST_RANK_ENV": json.dumps({"HETCCL_SHM_SINGLE_COPY": ["1", "0", "1"]})}
+    proc = run_ranks(3, "fastpath_workers:large_all_reduces", env=env)
+    assert proc.stdout.count("large ok") == 3, proc.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,victim", [(2, 1), (3, 2)])
 def test_dead_peer_in_the_single_copy(n: int, victim: int) -> None:
     """The victim exits hard from another thread while the ranks copy 32 MiB all_reduces between their buffers:
