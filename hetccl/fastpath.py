@@ -171,11 +171,11 @@ class FastPath:
         self._wake: asyncio.Future[None] | None = None
         self._mask = ffi.new("uint64_t[1]")  # which peers sleep, from hccl_fast_all_reduce
         self._unlinked = False
-        # the single copy: every rank's pid, agreed at set-up (self.single_copy), and the chunk it reduces in
+        # the single copy: the pids and agreement at set-up (self.single_copy), and the chunk it reduces in (made then)
         self.single_copy = False
         self._probed = False
         self._pids = ffi.new("int64_t[]", self.n)
-        self._chunk = ffi.new("char[]", COPY_CHUNK) if self.pieces else ffi.NULL
+        self._chunk: Any = ffi.NULL
 
     # ---- set-up (the first fast operation, on every rank) --------------------------------------------
     def _create(self) -> None:
@@ -260,6 +260,8 @@ class FastPath:
             self._check_peers()
             await asyncio.sleep(0.001)
         self.single_copy = all(lib.hccl_load_acquire(a) == PROBE_YES for a in answers)
+        if self.single_copy and self._chunk == ffi.NULL:
+            self._chunk = ffi.new("char[]", COPY_CHUNK)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -321,8 +323,10 @@ class FastPath:
         return mismatch_error(self.me, r, fp, _fingerprint(fp.comm, [w[0], w[1], w[2], w[3]]))
 
     # ---- one operation ----------------------------------------------------------------------------------
-    def _post(self, fp: Fingerprint, k: int, src: Any, nbytes: int) -> None:
-        mask = lib.hccl_fast_post(self.segs_c, self.n, self.me, k, *_words(fp),
+    def _post(self, fp: Fingerprint, k: int, src: Any, nbytes: int, w3: int | None = None) -> None:
+        """Publish operation k with fp's words (w3: the single copy's START or DONE in place of the root)."""
+        w = _words(fp)
+        mask = lib.hccl_fast_post(self.segs_c, self.n, self.me, k, w[0], w[1], w[2], w[3] if w3 is None else w3,
                                   _from_buffer(_CHARS, src) if nbytes else ffi.NULL, nbytes)
         if mask:
             self._ring(mask)
@@ -398,12 +402,8 @@ class FastPath:
         with the others' buffers, so none is read or written after the return. A rank that leaves in between
         (an error, the deadline) raises its abandoned word and waits until no peer writes into its buffer."""
         segs, n, me = self.segs_c, self.n, self.me
-        w1 = fp.op | (fp.dtype << 8) | (fp.redop << 16)
-        addr = ffi.new("uint64_t[1]", [int(ffi.cast("uintptr_t", buf))])
-        mask = lib.hccl_fast_post(segs, n, me, k, fp.seq, w1, count, START, addr, 8)
+        self._post(fp, k, np.array([int(ffi.cast("uintptr_t", buf))], np.uint64), 8, START)
         try:
-            if mask:
-                self._ring(mask)
             await self._wait(fp, k)
             addrs = ffi.new("uint64_t[]", n)
             for q in range(n):
@@ -432,9 +432,7 @@ class FastPath:
                                       f"from rank {q} ({os.strerror(err[0])}); set HETCCL_SHM_SINGLE_COPY=0 to "
                                       "reduce through the shared segment instead")
                 raise HetcclError(f"native reduce refused dtype {dtype!r} op {op!r}")
-            mask = lib.hccl_fast_post(segs, n, me, k + 1, fp.seq, w1, count, DONE, ffi.NULL, 0)
-            if mask:
-                self._ring(mask)
+            self._post(fp, k + 1, None, 0, DONE)
             await self._wait(fp, k + 1)
         except BaseException:
             # the peers may still write our buffer: none does once this returns, unless one is stuck in a chunk
