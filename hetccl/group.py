@@ -27,7 +27,7 @@ from .errors import CommAbortedError, ConfigError, HetcclError
 from .flight import FlightRecorder
 from .gpu import dispatch, staging
 from .gpu.buffers import DeviceBuf
-from .gpu.runtime import as_tensor, stream_handle, stream_of, use_device
+from .gpu.runtime import as_tensor, stream_handle, stream_of, torch_mod, use_device
 from .gpu.vendor_comm import VendorComm, blocking
 from .matching import AnySource
 from .ordering import IssueOrder
@@ -395,6 +395,31 @@ class Group:
         deadline = self._deadline()
         await run_collective(self, fp, lambda: staged_ring.all_reduce(ctx, as_tensor(b), stream_of(b),
                                                                       staging.STAGE_CHUNK, deadline))
+
+    async def flat_device_ring_all_gather(self, o: DeviceBuf, i: DeviceBuf) -> None:
+        """all_gather of device memory between ranks that all hold it and share no vendor CCL: the staged ring's
+        all-gather half, in place in o (i is copied into this rank's block first, unless it is that block)."""
+        use_device(o.device)
+        fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count)
+        ctx = CollCtx(self, fp, o.dtype, None)
+        stream, t, k = stream_of(o), as_tensor(o), i.count
+        mine = t[self.rank * k:(self.rank + 1) * k]
+        if i.ptr != mine.data_ptr():
+            with torch_mod().cuda.stream(stream):
+                mine.copy_(as_tensor(i))
+        deadline = self._deadline()
+        await run_collective(self, fp, lambda: staged_ring.all_gather(ctx, t, stream, staging.STAGE_CHUNK, deadline))
+
+    async def flat_device_ring_reduce_scatter(self, o: DeviceBuf, i: DeviceBuf, op: ReduceOp) -> None:
+        """reduce_scatter of device memory between ranks that all hold it and share no vendor CCL: the staged
+        ring's reduce-scatter half (i is only read; op never AVG: the caller divides)."""
+        use_device(o.device)
+        fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
+        ctx = CollCtx(self, fp, o.dtype, op)
+        deadline = self._deadline()
+        await run_collective(self, fp, lambda: staged_ring.reduce_scatter(ctx, as_tensor(o), as_tensor(i),
+                                                                          stream_of(o), staging.STAGE_CHUNK,
+                                                                          deadline))
 
     def island_vendors(self) -> dispatch.IslandVendors:
         """This group's vendor communicators (made on first use, one per device)."""

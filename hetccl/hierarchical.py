@@ -280,46 +280,120 @@ async def reduce(group: Group, b: Mem, root: int, rop: ReduceOp) -> None:
             v.divide(v.flat, group.size)
 
 
+def _rank_ordered(lay: Layout) -> bool:
+    """Islands of one size whose ranks follow each other: island-major order is rank order, so the leaders'
+    blocks are the caller's buffer itself (no padding, no reordering copies)."""
+    width = len(lay.islands[0])
+    order = [r for m in lay.islands for r in m]
+    return all(len(m) == width for m in lay.islands) and order == list(range(len(order)))
+
+
+def _device_leaders(lay: Layout, v: _View) -> bool:
+    """Every island leader holds device memory (a GPU island's): their step stays on the devices."""
+    return v.dev and all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+
+
+async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, mine: Any) -> None:
+    """The leaders' all_gather of their islands' blocks (`mine`, possibly `every`'s own block) into `every`:
+    over the zero-copy pair link, else the staged ring on the devices, else hetccl's host algorithms."""
+    leaders = lay.leaders
+    if _device_leaders(lay, v):
+        link = await _zero_copy_link(group, lay, every)
+        if link is not None and link.ops is not None and getattr(link, "all_gather", None) is not None:
+            blk = len(every) // leaders.size
+            own = every[leaders.rank * blk:(leaders.rank + 1) * blk]
+            if own.data_ptr() != mine.data_ptr():
+                v.copy(own, mine)
+            return await link.all_gather(every, v.stream, _deadline(group))
+        return await leaders.flat_device_ring_all_gather(v.mem(every), v.mem(mine))
+    await leaders.flat_all_gather(v.mem(every), v.mem(mine))
+
+
+async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: Any, acc: Any, op: ReduceOp) -> None:
+    """The leaders' reduce_scatter of their islands' sums (`acc`, only read) into each island's `region`: each
+    leader moves (k-1)/k of acc, not an all_reduce of it."""
+    leaders = lay.leaders
+    if _device_leaders(lay, v):
+        link = await _zero_copy_link(group, lay, acc)
+        if link is not None and link.ops is not None and getattr(link, "reduce_scatter", None) is not None:
+            return await link.reduce_scatter(region, acc, op, v.stream, _deadline(group))
+        return await leaders.flat_device_ring_reduce_scatter(v.mem(region), v.mem(acc), op)
+    await leaders.flat_reduce_scatter(v.mem(region), v.mem(acc), op)
+
+
 async def all_gather(group: Group, out: Mem, inp: Mem) -> None:
+    """Gather inside each island, all_gather among leaders, broadcast inside each island. Where island-major
+    order is rank order, every step works in the caller's output; otherwise in blocks padded to the largest
+    island, reordered at the end."""
     lay = await layout(group)
     vo, vi = _View(out), _View(inp)
     k = len(vi)
     group.next_fingerprint(CollOp.ALL_GATHER, None, k)
     members, isl = lay.my_members, lay.island_comm
     width = max(len(m) for m in lay.islands)
-    mine = vi.empty(width * k)  # this island's blocks, padded to the largest island
+    if _rank_ordered(lay):
+        every = vo.flat
+        lo = members[0] * k
+        mine = _sl(every, lo, lo + len(members) * k)
+    else:
+        mine = vi.empty(width * k)  # this island's blocks, padded to the largest island
+        every = vi.empty(len(lay.islands) * width * k)
     if isl is not None:
         await isl.flat_all_gather(vi.mem(_sl(mine, 0, len(members) * k)), inp)
     else:
         vi.copy(_sl(mine, 0, k), vi.flat)
-    every = vi.empty(len(lay.islands) * width * k)
     if lay.leaders is not None and group.rank == members[0]:
-        await lay.leaders.flat_all_gather(vi.mem(every), vi.mem(mine))
+        await _leaders_all_gather(group, lay, vi, every, mine)
     if isl is not None:
         await isl.flat_broadcast(vi.mem(every), 0)
-    for i, island in enumerate(lay.islands):  # back to group rank order
-        for j, r in enumerate(island):
-            a = (i * width + j) * k
-            vi.copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
+    if every is not vo.flat:
+        for i, island in enumerate(lay.islands):  # back to group rank order
+            for j, r in enumerate(island):
+                a = (i * width + j) * k
+                vi.copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
 
 
 async def reduce_scatter(group: Group, out: Mem, inp: Mem, rop: ReduceOp) -> None:
+    """Reduce each island's input to its leader, reduce_scatter among leaders (each keeps its island's blocks),
+    and hand each rank its block inside the island. Where island-major order is rank order the leaders work on
+    the input as it is (read, never written); otherwise on a copy reordered into padded island blocks."""
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     lay = await layout(group)
     vo, vi = _View(out), _View(inp)
     k = len(vo)
     group.next_fingerprint(CollOp.REDUCE_SCATTER, None, k, -1, rop)
     members, isl = lay.my_members, lay.island_comm
-    acc = vi.empty(len(vi))
-    vi.copy(acc, vi.flat)
+    leader = group.rank == members[0]
+    scratch = not _rank_ordered(lay)
+    if scratch:
+        width = max(len(m) for m in lay.islands)
+        src = vi.empty(len(lay.islands) * width * k)
+        for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
+            for j, r in enumerate(island):
+                a = (i * width + j) * k
+                vi.copy(_sl(src, a, a + k), _sl(vi.flat, r * k, (r + 1) * k))
+    else:
+        width, src = len(members), vi.flat
+    blk = width * k
+    acc = src
     if isl is not None:
+        if leader and not scratch:  # the leader's buffer receives the island's sum: not the caller's input
+            acc = vi.empty(len(src))
+            vi.copy(acc, src)
         await isl.flat_reduce(vi.mem(acc), 0, inner)
-    if lay.leaders is not None and group.rank == members[0]:
-        await run(lay.leaders, "all_reduce", vi.mem(acc), inner)
+    region = None
+    if leader:
+        region = vo.flat if blk == k else vi.empty(blk)
+        if lay.leaders is not None:
+            await _leaders_reduce_scatter(group, lay, vi, region, acc, inner)
+        else:
+            vi.copy(region, _sl(acc, 0, blk))
     if isl is not None:
-        await isl.flat_broadcast(vi.mem(acc), 0)
-    r = group.rank
-    vi.copy(vo.flat, _sl(acc, r * k, (r + 1) * k))
+        region = region if leader else vi.empty(blk)
+        await isl.flat_broadcast(vi.mem(region), 0)
+    if region is not vo.flat:
+        j = members.index(group.rank)
+        vi.copy(vo.flat, _sl(region, j * k, (j + 1) * k))
     if rop == ReduceOp.AVG:
         vi.divide(vo.flat, group.size)
 

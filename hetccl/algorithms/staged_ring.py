@@ -1,5 +1,5 @@
-"""Ring all_reduce of device memory over the host transports: reduce-scatter then all-gather, each block
-staged through pinned host memory and reduced on the device.
+"""Ring all_reduce, reduce_scatter and all_gather of device memory over the host transports: reduce-scatter
+steps, all-gather steps or both, each block staged through pinned host memory and reduced on the device.
 
 It serves GPU leaders that no zero-copy link joins (other hosts, or the link turned off). Each leader moves
 2(k-1)/k of the buffer, against k-1 when every chunk is all-gathered and reduced locally (gpu/staging.py,
@@ -13,7 +13,8 @@ slot. A reduce-scatter step copies the block it sends to pinned memory (after th
 in stream order), sends it, and reduces the block it receives on the device; an all-gather step forwards the
 pinned block it received. Every receive of a chain is posted before its first send, so no message arrives
 early. All device work runs on one side stream, ordered after the caller's stream and before what the caller
-queues next.
+queues next. reduce_scatter and all_gather are the ring's two halves alone: each leader moves (k-1)/k of the
+buffer, at the all_reduce's rate per byte.
 """
 
 from __future__ import annotations
@@ -31,9 +32,34 @@ WINDOW = 2  # chains in flight: one exchanging while the other's copies and redu
 
 async def all_reduce(ctx: CollCtx, t: Any, stream: Any, chunk_bytes: int, deadline: float) -> None:
     """In-place all_reduce of the flat device tensor t (ctx.op, never AVG: the caller divides)."""
+    await _ring(ctx, t, None, stream, chunk_bytes, deadline, reduce=True, gather=True)
+
+
+async def reduce_scatter(ctx: CollCtx, out: Any, inp: Any, stream: Any, chunk_bytes: int, deadline: float) -> None:
+    """out = block `rank` of the reduction of every rank's inp (n equal blocks of out's size); inp is only read
+    (the partial sums travel through device scratch). Each rank moves (n-1)/n of inp."""
+    await _ring(ctx, inp, out, stream, chunk_bytes, deadline, reduce=True, gather=False)
+
+
+async def all_gather(ctx: CollCtx, t: Any, stream: Any, chunk_bytes: int, deadline: float) -> None:
+    """In-place all_gather: t holds n equal blocks, block `rank` this rank's part on entry, every part after."""
+    await _ring(ctx, t, None, stream, chunk_bytes, deadline, reduce=False, gather=True)
+
+
+async def _ring(ctx: CollCtx, t: Any, out: Any, stream: Any, chunk_bytes: int, deadline: float, reduce: bool,
+                gather: bool) -> None:
+    """The ring's phases on t: reduce-scatter steps (reduce), then all-gather steps (gather). `own` is the block a
+    rank holds complete after the first phase (or from the start, without it): block r + 1 for all_reduce, as in
+    ring.py, block r for reduce_scatter and all_gather. With `out`, reduce_scatter leaves t untouched and writes
+    block r's sum there."""
     n, r = ctx.size, ctx.rank
     count = int(t.numel())
-    if n == 1 or count == 0:
+    if count == 0:
+        return
+    if n == 1:
+        if out is not None:
+            with torch_mod().cuda.stream(stream):
+                out.copy_(t)
         return
     torch = torch_mod()
     isz = t.element_size()
@@ -42,6 +68,7 @@ async def all_reduce(ctx: CollCtx, t: Any, stream: Any, chunk_bytes: int, deadli
     ranges = [chunk_ranges(a, b, nch) for a, b in blocks]
     width = max(b - a for rs in ranges for a, b in rs)  # elements of the largest chunk
     right, left = (r + 1) % n, (r - 1) % n
+    own = (r + 1) % n if reduce and gather else r
     op = ctx.op
     side = copy_streams(t.device)[1]
     side.wait_stream(stream)  # after the work already queued on the caller's stream
@@ -71,44 +98,53 @@ async def all_reduce(ctx: CollCtx, t: Any, stream: Any, chunk_bytes: int, deadli
                 a, b = rng(block)
                 return b - a
 
-            inbox = [piece(slot, s, size(r - s - 1)) for s in range(n - 1)]
+            steps = n - 1 if reduce else 0
+            inbox = [piece(slot, s, size(own - s - 2)) for s in range(steps)]
             gathered = [piece(slot, n - 1 + j, size(j)) for j in range(n)]
-            rs = [ctx.recv(left, make_tag(RS, s, c), inbox[s].numpy()) if size(r - s - 1) else None
-                  for s in range(n - 1)]
-            ag = [ctx.recv(left, make_tag(AG, s, c), gathered[(r - s) % n].numpy())
-                  if size(r - s) else None for s in range(n - 1)]
-            out = pinned[slot][(2 * n - 1) * width * isz:]
+            rs = [ctx.recv(left, make_tag(RS, s, c), inbox[s].numpy()) if size(own - s - 2) else None
+                  for s in range(steps)]
+            ag = [ctx.recv(left, make_tag(AG, s, c), gathered[(own - s - 1) % n].numpy())
+                  if gather and size(own - s - 1) else None for s in range(n - 1)]
+            outbox = pinned[slot][(2 * n - 1) * width * isz:]
             dev = scratch[slot].view(t.dtype)
-            for s in range(n - 1):
-                a, b = rng(r - s)  # this step's block: ours at first, then the one reduced last step
+            for s in range(steps):
+                a, b = rng(own - 1 - s)  # this step's block: ours at first, then the one reduced last step
                 if b > a:
                     with torch.cuda.stream(side):
-                        out[:(b - a) * isz].view(t.dtype).copy_(t[a:b], non_blocking=True)
+                        part = t[a:b] if out is None or s == 0 else dev[:b - a]
+                        outbox[:(b - a) * isz].view(t.dtype).copy_(part, non_blocking=True)
                     await copied("device-to-host staging")
-                    await ctx.send(right, make_tag(RS, s, c), out[:(b - a) * isz].numpy())
-                a, b = rng(r - s - 1)
+                    await ctx.send(right, make_tag(RS, s, c), outbox[:(b - a) * isz].numpy())
+                a, b = rng(own - s - 2)
                 if b > a:
                     await rs[s]
                     with torch.cuda.stream(side):
                         dev[:b - a].copy_(inbox[s].view(t.dtype), non_blocking=True)
-                        reduce_inplace(t[a:b], dev[:b - a], op)
-            a, b = rng(r + 1)  # the block this rank now holds reduced
-            if b > a:
-                with torch.cuda.stream(side):
-                    gathered[(r + 1) % n].view(t.dtype).copy_(t[a:b], non_blocking=True)
-                await copied("device-to-host staging")
-            for s in range(n - 1):
-                blk = (r + 1 - s) % n
-                if size(blk):
-                    await ctx.send(right, make_tag(AG, s, c), gathered[blk].numpy())
-                if ag[s] is not None:
-                    await ag[s]
-            with torch.cuda.stream(side):
+                        if out is None:
+                            reduce_inplace(t[a:b], dev[:b - a], op)
+                        else:  # incoming OP ours: the same bits as ours OP incoming (commutative ops)
+                            reduce_inplace(dev[:b - a], t[a:b], op)
+                            if s == steps - 1:
+                                lo = blocks[r][0]
+                                out[a - lo:b - lo].copy_(dev[:b - a])
+            if gather:
+                a, b = rng(own)  # the block this rank now holds complete
+                if b > a:
+                    with torch.cuda.stream(side):
+                        gathered[own].view(t.dtype).copy_(t[a:b], non_blocking=True)
+                    await copied("device-to-host staging")
                 for s in range(n - 1):
-                    a, b = rng(r - s)
-                    if b > a:
-                        t[a:b].copy_(gathered[(r - s) % n].view(t.dtype), non_blocking=True)
-            await copied("host-to-device staging")  # the slot's pinned pieces are free after this
+                    blk = (own - s) % n
+                    if size(blk):
+                        await ctx.send(right, make_tag(AG, s, c), gathered[blk].numpy())
+                    if ag[s] is not None:
+                        await ag[s]
+                with torch.cuda.stream(side):
+                    for s in range(n - 1):
+                        a, b = rng(own - s - 1)
+                        if b > a:
+                            t[a:b].copy_(gathered[(own - s - 1) % n].view(t.dtype), non_blocking=True)
+            await copied("host-to-device staging")  # the slot's pinned pieces and its scratch are free after this
             finished[c].set_result(None)
 
         await gather_fail_fast([chain(c) for c in range(nch)])
