@@ -226,22 +226,49 @@ class PairLink(DeviceLink):
             self._release(exc)
             raise
 
+    async def all_gather(self, t: Any, stream: Any, deadline: float) -> None:
+        """t holds two equal halves, half `me` this leader's part on entry: the other leader's lands in the other
+        half. GPU-signalled links only (the caller stages otherwise)."""
+        if self.broken is not None:
+            raise self.broken
+        half = t.numel() // 2
+        mine, theirs = t[self.me * half:(self.me + 1) * half], t[self.peer * half:(self.peer + 1) * half]
+        await self._exchange(mine, theirs, None, stream, deadline, "cross-island all_gather")
+
+    async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+        """out = half `me` of inp OP the other leader's half `me` (inp holds two halves of out's size; only read).
+        Each leader sends the half the other keeps: half of the buffer crosses, not an all_reduce's whole."""
+        if self.broken is not None:
+            raise self.broken
+        half = out.numel()
+        with torch_mod().cuda.stream(stream):
+            out.copy_(inp[self.me * half:(self.me + 1) * half])
+        await self._exchange(inp[self.peer * half:(self.peer + 1) * half], out, op, stream, deadline,
+                             "cross-island reduce_scatter")
+
     async def _all_reduce_gpu(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
-        """Everything enqueued at once: per chunk, the sender's copy stream waits for a free slot (the peer's
-        consumed counter), copies, and publishes (produced counter); the receiver's copy stream waits for
-        the peer's produced counter, copies the slot to scratch and frees the slot; the caller's stream
-        reduces the chunk once its own copy out and the peer's copy in are done. Copies, counters and
-        events are raw driver calls: the enqueue must stay well ahead of the copy engines."""
+        await self._exchange(t, t, op, stream, deadline, "cross-island all_reduce")
+
+    async def _exchange(self, send: Any, recv: Any, op: ReduceOp | None, stream: Any, deadline: float,
+                        what: str) -> None:
+        """Everything enqueued at once: per chunk of `send`, the sender's copy stream waits for a free slot (the
+        peer's consumed counter), copies, and publishes (produced counter); the receiver's copy stream waits for
+        the peer's produced counter and copies the slot, into `recv` itself (op None) or into scratch, then frees
+        the slot; with op, the caller's stream reduces the chunk into `recv` once its own copy out (send may be
+        recv) and the peer's copy in are done. Both leaders send as many bytes as they receive. Copies, counters
+        and events are raw driver calls: the enqueue must stay well ahead of the copy engines."""
         torch = torch_mod()
-        chunks = self._chunks(t)
+        chunks = self._chunks(send)
         if not chunks:
             return
         ops, me, peer = self.ops, self.me, self.peer
-        ev_start, ev_sent, ev_got, *ev_done = self.events(t.device)
+        ev_start, ev_sent, ev_got, *ev_done = self.events(send.device)
         d2h, h2d, cs = self.d2h.cuda_stream, self.h2d.cuda_stream, stream.cuda_stream
         ops.record(ev_start, cs)
         ops.wait_event(d2h, ev_start)  # our data as the caller's queued work leaves it
-        src, isz = t.data_ptr(), t.element_size()
+        if op is None:
+            ops.wait_event(h2d, ev_start)  # nor is recv written before the caller's earlier work is done with it
+        src, dst, isz = send.data_ptr(), recv.data_ptr(), recv.element_size()
         base_out, base_in = self.sent, self.received
         produced_me, consumed_me = self.dev_produced[me], self.dev_consumed[me]
         produced_peer, consumed_peer = self.dev_produced[peer], self.dev_consumed[peer]
@@ -253,6 +280,11 @@ class PairLink(DeviceLink):
                 ops.copy(self.slot_ptr(me, s_out), src + off, size, d2h)
                 ops.write(d2h, produced_me, s_out + 1)
                 ops.record(ev_sent, d2h)
+                if op is None:
+                    ops.wait_geq(h2d, produced_peer, s_in + 1)
+                    ops.copy(dst + off, self.slot_ptr(peer, s_in), size, h2d)
+                    ops.write(h2d, consumed_peer, s_in + 1)
+                    continue
                 k = c % SCRATCH
                 if self.scratch_used[k]:
                     ops.wait_event(h2d, ev_done[k])  # the reduction that last read scratch[k]
@@ -262,14 +294,22 @@ class PairLink(DeviceLink):
                 ops.record(ev_got, h2d)
                 ops.wait_event(cs, ev_sent)  # our chunk left before the reduction overwrites it
                 ops.wait_event(cs, ev_got)
-                reduce_inplace(t[off // isz: (off + size) // isz], self.scratch[k][:size].view(t.dtype), op)
+                reduce_inplace(recv[off // isz: (off + size) // isz], self.scratch[k][:size].view(recv.dtype), op)
                 ops.record(ev_done[k], cs)
                 self.scratch_used[k] = True
+        if op is None:  # the caller's stream: after our last chunk left and the peer's last landed
+            ops.record(ev_got, h2d)
+            ops.wait_event(cs, ev_sent)
+            ops.wait_event(cs, ev_got)
+            last = ev_done[0]
+            ops.record(last, cs)
+            self.scratch_used[0] = True
+        else:
+            last = ev_done[(len(chunks) - 1) % SCRATCH]
         self.sent += len(chunks)
         self.received += len(chunks)
         try:
-            await wait_event(RawEvent(ops, ev_done[(len(chunks) - 1) % SCRATCH]), deadline,
-                             "cross-island all_reduce", self._check_peer)
+            await wait_event(RawEvent(ops, last), deadline, what, self._check_peer)
         except BaseException as exc:
             self._release(exc)
             raise
