@@ -148,6 +148,35 @@ def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
         close(res["hetccl"][r]["params"], res["nccl"][r]["params"], 1e-5, f"rank {r} FSDP2 parameters ({path})")
 
 
+@needs_1
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path,reduce_dtype", [(p, "float32") for p in sorted(PATHS)] + [("hosts", "bfloat16")])
+def test_two_islands_fsdp2_recipe_matches_nccl(tmp_path, path, reduce_dtype):
+    """FSDP2 across two islands as recipes run it (bf16 parameters, fp32 or bf16 reduction, reshard_after_forward
+    true and false, gradient accumulation, the distributed checkpoint's full and sharded state dicts) gives NCCL's
+    losses and state; with one GPU, NCCL runs the two ranks as two hosts (NCCL_HOSTID per rank)."""
+    res = {}
+    for backend, env in (("nccl", {**CUDA_ENV, "TEST_NCCL_HOSTS": "1"}), ("hetccl", {**TWO_ISLANDS, **PATHS[path]})):
+        out = tmp_path / backend
+        run_torchrun(2, "fsdp_recipe", backend, str(out), reduce_dtype, env=env, timeout=280)
+        res[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    for r in range(2):
+        got, want = res["hetccl"][r], res["nccl"][r]
+        close(got["losses"], want["losses"], 1e-6, f"rank {r} FSDP2 losses ({path}, {reduce_dtype} reduction)")
+        assert got["full"].keys() == want["full"].keys(), f"rank {r}: full state dict keys"
+        close(list(got["full"].values()), list(want["full"].values()), 1e-6, f"rank {r} full state dict ({path})")
+        close(list(got["shards"].values()), list(want["shards"].values()), 1e-6, f"rank {r} shards ({path})")
+
+
+@needs_1
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_two_islands_collectives_do_not_hold_the_thread(path):
+    """A blocking cross-island collective of CUDA tensors behind ~50 ms of queued compute returns well before
+    that compute ends (stream-ordered, gpu/streamorder.py), with the right results in stream order."""
+    run_torchrun(2, "held", env={**TWO_ISLANDS, **PATHS[path]}, timeout=280)
+
+
 # --- three and four islands (issue 16, item 4) ------------------------------------------------------------------
 # n processes under torchrun, every GPU visible, rank i is island nvidia-i on GPU i % device_count: with fewer GPUs
 # than islands, several islands share a GPU (each island's NCCL communicator has one rank), so one GPU will do.

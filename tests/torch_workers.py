@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,17 @@ def case_ops(dtype_name: str) -> None:
     out = torch.zeros(2, 3, dtype=dt)
     REDUCE_SCATTER_TENSOR(out, torch.cat(ins))
     _eq(out, exp.to(dt), "reduce_scatter_tensor")
+
+    # uneven lists (FSDP2's parts whose size does not divide): rank q's part has q + 1 rows
+    outs = [torch.zeros(q + 1, 2, dtype=dt) for q in range(n)]
+    dist.all_gather(outs, _val(r, (r + 1, 2), dt))
+    for q in range(n):
+        _eq(outs[q], _val(q, (q + 1, 2), dt), f"all_gather uneven [{q}]")
+    parts = [_val(r, (q + 1, 2), dt, base=q) for q in range(n)]
+    mine = torch.zeros(r + 1, 2, dtype=dt)
+    dist.reduce_scatter(mine, parts)
+    _eq(mine, sum(_val(q, (r + 1, 2), dt, base=r).to(torch.float64) for q in range(n)).to(dt),
+        "reduce_scatter uneven")
 
     # broadcast, reduce from every root
     for root in range(n):
@@ -420,6 +432,112 @@ def case_fsdp(backend: str, out_path: str, variant: str = "plain") -> None:
         _eq(p, ref, "unsharded parameters identical")
     with open(f"{out_path}.{r}", "w") as f:
         json.dump({"losses": losses, "params": [p.double().sum().item() for p in full]}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def case_fsdp_recipe(backend: str, out_path: str, reduce_dtype: str = "float32") -> None:
+    """FSDP2 as a recipe runs it: bf16 parameters with `reduce_dtype` reduction, reshard_after_forward true on
+    the inner layers and false on the root, AdamW, two micro-batches per step with gradient accumulation
+    (`set_requires_gradient_sync(False)` on the first), then the distributed checkpoint's full and sharded state
+    dicts. The losses, the full state dict's sums and every rank's shard sums go to OUT_PATH.RANK. With
+    TEST_NCCL_HOSTS, NCCL runs every rank as its own host (two ranks on one GPU, over its socket transport)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if backend == "nccl" and os.environ.get("TEST_NCCL_HOSTS"):
+        os.environ["NCCL_HOSTID"] = f"h{os.environ.get('LOCAL_RANK', '0')}"
+    dev = _init(backend)
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = _fsdp_model().to(dev)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(100 + r)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)  # the first micro-batch accumulates without a reduction
+            x, y = torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sharded = get_model_state_dict(model)
+    shards = {k: v.to_local().double().sum().item() for k, v in sharded.items()}
+    with open(f"{out_path}.{r}", "w") as f:
+        json.dump({"losses": losses, "full": {k: v.double().sum().item() for k, v in full.items()},
+                   "shards": shards}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def case_held() -> None:
+    """The caller's thread is not held by a cross-island collective of CUDA tensors: each op at 16 MiB, issued
+    behind ~50 ms of queued compute, returns (async_op=False, so its wait() too) long before that compute ends,
+    and the results are right once the stream gets there. Also: a Work waited on from another stream orders
+    that stream, and the collectives' results feed the next ones in stream order."""
+    dev = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    a = torch.randn(4096, 4096, device=dev)
+
+    def busy(ms: float) -> None:  # queue about `ms` of matrix work on the current stream
+        for _ in range(max(1, int(ms / per))):
+            torch.mm(a, a)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t0) * 1000 / 20
+    count = 4 << 20  # 16 MiB of float32
+    held = {}
+    for op in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
+        x = torch.full((count,), float(r + 1), device=dev)
+        big = torch.empty(n * count, device=dev)
+        dist.barrier()
+        torch.cuda.synchronize()
+        busy(50)
+        t0 = time.perf_counter()
+        if op == "all_reduce":
+            dist.all_reduce(x)
+        elif op == "broadcast":
+            dist.broadcast(x, src=0)
+        elif op == "reduce_scatter":
+            x = x[: count // n].clone()
+            dist.reduce_scatter_tensor(x, big.fill_(float(r + 1)))
+        else:
+            dist.all_gather_into_tensor(big, x)
+        held[op] = (time.perf_counter() - t0) * 1000
+        want = {"all_reduce": n * (n + 1) / 2, "broadcast": 1.0, "reduce_scatter": n * (n + 1) / 2}
+        if op == "all_gather":
+            for q in range(n):
+                _eq(big[q * count:(q + 1) * count:4096], torch.full((count // 4096,), float(q + 1), device=dev),
+                    f"all_gather part {q}")
+        else:
+            _eq(x[::4096], torch.full((x.numel() // 4096,), want[op], device=dev), op)
+    # the queued compute took ~50 ms; a held thread would have waited for it (generous: a loaded machine)
+    for op, ms in held.items():
+        assert ms < 25, f"rank {r}: {op} held the caller's thread {ms:.1f} ms (queued compute ~50 ms)"
+    # a side stream's collective, waited on from the default stream; chained in stream order
+    side = torch.cuda.Stream()
+    x = torch.full((count,), float(r + 1), device=dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy(20)
+        work = dist.all_reduce(x, async_op=True)
+    work.wait()  # the default stream now waits for it
+    x.mul_(2)
+    dist.all_reduce(x)
+    _eq(x[::4096], torch.full((count // 4096,), 2.0 * n * n * (n + 1) / 2, device=dev), "chained all_reduce")
+    print(f"rank {r}: held ms " + ", ".join(f"{k} {v:.2f}" for k, v in held.items()), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,7 +23,9 @@ import torch.distributed as dist
 import hetccl
 from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
-from hetccl.gpu.runtime import torch_stream
+from hetccl.gpu import streamorder
+from hetccl.gpu.runtime import CALLER_STREAM, torch_stream, use_device
+from hetccl.gpu.vendor_comm import blocking
 
 BACKEND_NAME = "hetccl"
 
@@ -118,6 +120,9 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
 # CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
 _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
+# a collective of CUDA tensors through the loop (across islands) is ordered on the caller's stream and returns
+# at once (gpu/streamorder.py), as inside one island; 0: its wait() holds the thread until the end
+_STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
 
 
 class _Staged:
@@ -151,6 +156,26 @@ def _flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     if not ts:
         return torch.empty(0, device="cpu")
     return torch.cat([t.detach().reshape(-1) for t in ts])
+
+
+def _padded_part(mine: torch.Tensor, parts: Sequence[torch.Tensor], rank: int, what: str
+                 ) -> tuple[torch.Tensor, int]:
+    """Lists of uneven parts (dist.all_gather / reduce_scatter with tensors of different sizes, one per rank):
+    every part travels padded to the largest, so the collective underneath stays even. Returns this rank's part
+    `mine`, flat and padded, and the padded size."""
+    for t in parts:
+        if t.dtype != mine.dtype:
+            raise UnsupportedError(f"hetccl backend: {what} needs one dtype ({mine.dtype}; got {t.dtype})")
+    if parts[rank].numel() != mine.numel():
+        raise UnsupportedError(f"hetccl backend: {what}: this rank's tensor has {mine.numel()} elements, but its "
+                               f"entry (rank {rank}) in the list has {parts[rank].numel()}")
+    most = max(t.numel() for t in parts)
+    flat = mine.detach().reshape(-1)
+    if flat.numel() == most:
+        return flat, most
+    padded = torch.zeros(most, dtype=mine.dtype, device=mine.device)
+    padded[:flat.numel()].copy_(flat)
+    return padded, most
 
 
 def _cuda_devices(obj: Any, found: set[int] | None = None) -> list[int]:
@@ -232,7 +257,8 @@ class _EnqueuedWork(dist.Work):
     """A collective enqueued on the caller's stream inside one GPU island: done as far as the host is concerned.
     As ProcessGroupNCCL's (without blocking wait), wait() makes the waiter's current stream wait for it and
     blocks nothing, and raises the communicator's error if one is known. The Future is made only when asked
-    for (DDP's hooks ask; dist.all_reduce does not)."""
+    for (DDP's hooks ask; dist.all_reduce does not). Also the Work of a collective ordered on the caller's stream
+    across islands (`vc` is then the backend: its `broken` is the first error of such a collective)."""
 
     def __init__(self, result: Any, device: int, stream: int, event: Any, vc: Any):
         super().__init__()
@@ -300,6 +326,8 @@ class HetcclBackend(dist.ProcessGroup):
         self._submitted = 0
         self._finished = 0
         self._lanes: dict[int, Any] = {}  # device index -> group.IslandLane (single GPU island)
+        # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
+        self.broken: BaseException | None = None
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -359,18 +387,25 @@ class HetcclBackend(dist.ProcessGroup):
         return _EnqueuedWork(result, dev, _raw_stream(dev), event, self._lanes[dev].vc)
 
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
-                after: Callable[[], None] | None = None) -> Any:
-        """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done."""
+                after: Callable[[], None] | None = None, bufs: Sequence[torch.Tensor] = ()) -> Any:
+        """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done.
+        `bufs`, the tensors hetccl itself reads and writes: all on the GPU, the collective is ordered on the
+        caller's stream instead and the call returns at once (_launch_ordered)."""
+        if self.broken is not None:
+            raise self.broken
         devices = _cuda_devices(result)
-        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         # the caller's stream on the tensors' device: device collectives are enqueued on it (not on the loop
         # thread's own current stream), and copies back and the future's completion events are recorded on it
         stream = torch.cuda.current_stream(devices[0]) if devices else None
+        if stream is not None and bufs and _STREAM_ORDER and _CUDA_DIRECT and self._comm is not None \
+                and all(b.is_cuda for b in bufs) and not blocking():
+            gate = streamorder.gate_for(stream.device_index)
+            if gate is not None:
+                return self._launch_ordered(coro_fn, result, after, stream, gate)
+        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
         async def body() -> None:
             if stream is not None:
-                from ..gpu.runtime import CALLER_STREAM, use_device
-
                 use_device(stream.device_index)  # the loop thread serves this rank's device, not GPU 0
                 CALLER_STREAM.set(stream)  # this task's context only
             await coro_fn()
@@ -397,11 +432,54 @@ class HetcclBackend(dist.ProcessGroup):
 
         comm = self._comm
         if comm is None:
-            raise hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut "
-                                     "down (destroy_process_group or interpreter exit); create a new one")
+            raise self._shut_down()
         self._submitted += 1
         comm.submit(body()).add_done_callback(done)
         return _FutureWork(fut)
+
+    def _shut_down(self) -> hetccl.HetcclError:
+        return hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut down "
+                                  "(destroy_process_group or interpreter exit); create a new one")
+
+    def _launch_ordered(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
+                        after: Callable[[], None] | None, stream: Any, gate: Any) -> Any:
+        """The collective on the loop, ordered on the caller's stream (gpu/streamorder.py): its device work runs
+        on the gate's side stream after the caller's queued work, the caller's stream waits for its end, and this
+        thread returns at once, with a Work that is done as far as the host is concerned (as ProcessGroupNCCL's).
+        The copies back (`after`) are enqueued here, behind that wait. An error of the host work releases the
+        stream and is raised by this group's next call or wait()."""
+        comm = self._comm
+        ticket = gate.enter(stream)
+
+        async def body() -> None:
+            use_device(stream.device_index)
+            CALLER_STREAM.set(ticket.side)  # every device step of the collective goes on the side stream
+            await coro_fn()
+            ticket.release_on_stream()
+
+        def done(cf: Any) -> None:
+            self._finished += 1
+            try:
+                exc = cf.exception()
+            except BaseException as e:  # noqa: BLE001 (cancelled)
+                exc = e
+            if exc is not None:
+                ticket.release_now()
+                if self.broken is None:
+                    self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+
+        self._submitted += 1
+        try:
+            comm.submit(body()).add_done_callback(done)
+        except BaseException:
+            self._finished += 1
+            ticket.release_now()
+            raise
+        if after is not None:
+            with torch.cuda.stream(stream):
+                after()
+        ticket.end.record(stream)  # wait() on another stream also waits for the copies back
+        return _EnqueuedWork(result, stream.device_index, stream.cuda_stream, ticket.end, self)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -420,7 +498,7 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("all_reduce", [st.buf], {"op": op}, list(tensors))
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish)
+        return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish, [st.buf])
 
     def _lane_all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any | None:
         """The hot path of dist.all_reduce inside one GPU island: checks, one enqueue, no Future. None where
@@ -495,7 +573,7 @@ class HetcclBackend(dist.ProcessGroup):
                     t.copy_(flat[off:off + n].view_as(t))
                     off += n
 
-        return self._launch(lambda: self._acomm.all_reduce(flat, op), list(tensors), after)
+        return self._launch(lambda: self._acomm.all_reduce(flat, op), list(tensors), after, [flat])
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
@@ -503,16 +581,15 @@ class HetcclBackend(dist.ProcessGroup):
         inp = _Staged(_single(input_tensors, "allgather"), writeback=False)
         if len(outs) != self._size:
             raise UnsupportedError(f"hetccl backend: allgather needs {self._size} output tensors (got {len(outs)})")
-        _same_shapes(outs, inp.buf, "allgather")
-        flat = torch.empty(self._size * inp.buf.numel(), dtype=inp.buf.dtype, device=inp.buf.device)
+        src, most = _padded_part(inp.buf, outs, self._rank, "allgather")
+        flat = torch.empty(self._size * most, dtype=src.dtype, device=src.device)
 
         def after() -> None:
-            n = inp.buf.numel()
             with torch.no_grad():
                 for r, o in enumerate(outs):
-                    o.copy_(flat[r * n:(r + 1) * n].view_as(o))
+                    o.copy_(flat[r * most:r * most + o.numel()].view_as(o))
 
-        return self._launch(lambda: self._acomm.all_gather(flat, inp.buf.reshape(-1)), output_tensors, after)
+        return self._launch(lambda: self._acomm.all_gather(flat, src), output_tensors, after, [flat, src])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         out, inp = _Staged(output), _Staged(input, writeback=False)
@@ -524,7 +601,7 @@ class HetcclBackend(dist.ProcessGroup):
             if work is not None:
                 return work
         return self._launch(lambda: self._acomm.all_gather(out.buf.reshape(-1), inp.buf.reshape(-1)), [output],
-                            out.finish)
+                            out.finish, [out.buf, inp.buf])
 
     all_gather_single = _allgather_base  # torch 2.13's name (older torch calls _allgather_base)
 
@@ -563,7 +640,7 @@ class HetcclBackend(dist.ProcessGroup):
                         o.copy_(flat[off:off + k].view_as(o))
                         off += k
 
-        return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after)
+        return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after, [flat, flat_in])
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
@@ -572,10 +649,22 @@ class HetcclBackend(dist.ProcessGroup):
         ins = _single(input_tensors, "reduce_scatter")
         if len(ins) != self._size:
             raise UnsupportedError(f"hetccl backend: reduce_scatter needs {self._size} input tensors (got {len(ins)})")
-        _same_shapes(ins, out.buf, "reduce_scatter")
-        flat = _premul(_flat(ins), factor, inplace=True)
-        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), flat, op), output_tensors,
-                            out.finish)
+        if any(t.numel() != ins[0].numel() for t in ins):  # uneven parts: each padded to the largest
+            _, most = _padded_part(out.buf, ins, self._rank, "reduce_scatter")
+            flat = torch.zeros(self._size * most, dtype=out.buf.dtype, device=out.buf.device)
+            for r, t in enumerate(ins):
+                flat[r * most:r * most + t.numel()].copy_(t.detach().reshape(-1))
+            part = torch.empty(most, dtype=out.buf.dtype, device=out.buf.device)
+            dst = out.orig
+
+            def after() -> None:
+                with torch.no_grad():
+                    dst.copy_(part[:dst.numel()].view_as(dst))
+        else:
+            _same_shapes(ins, out.buf, "reduce_scatter")
+            flat, part, after = _flat(ins), out.buf.reshape(-1), out.finish
+        _premul(flat, factor, inplace=True)
+        return self._launch(lambda: self._acomm.reduce_scatter(part, flat, op), output_tensors, after, [part, flat])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op, factor = _reduce_op(opts)
@@ -588,7 +677,8 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("reduce_scatter", [out.buf.reshape(-1), src], {"op": op}, [output])
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), src, op), [output], out.finish)
+        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), src, op), [output], out.finish,
+                            [out.buf, src])
 
     reduce_scatter_single = _reduce_scatter_base  # torch 2.13's name (older torch calls _reduce_scatter_base)
 
@@ -625,7 +715,7 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("broadcast", [st.buf], {"root": root}, list(tensors))
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish)
+        return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish, [st.buf])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         op, factor = _reduce_op(opts)
@@ -634,7 +724,7 @@ class HetcclBackend(dist.ProcessGroup):
         if factor is not None:  # the root's tensor receives the result; the others' stay as they were
             st.buf = _premul(st.buf.clone(), factor, inplace=True)
             st.writeback = self._rank == root
-        return self._launch(lambda: self._acomm.reduce(st.buf, root, op), list(tensors), st.finish)
+        return self._launch(lambda: self._acomm.reduce(st.buf, root, op), list(tensors), st.finish, [st.buf])
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
@@ -646,7 +736,7 @@ class HetcclBackend(dist.ProcessGroup):
                                        f"output of equal size divisible by world_size={self._size}")
         if not output_split_sizes and not input_split_sizes:
             return self._launch(lambda: self._acomm.all_to_all(out.buf.reshape(-1), inp.buf.reshape(-1)),
-                                [output], out.finish)
+                                [output], out.finish, [out.buf, inp.buf])
         return self._alltoallv(out, inp, list(output_split_sizes), list(input_split_sizes), [output])
 
     all_to_all_single = alltoall_base  # torch 2.13's name (older torch calls alltoall_base)
