@@ -275,7 +275,6 @@ class Group:
         try:
             if self._algo("reduce_scatter", i.nbytes) == algorithms.RING:
                 s = scratch[: i.nbytes]
-                s[:] = i.data
                 await run_collective(self, fp, lambda: ring.reduce_scatter(ctx, o, i, s))
             else:
                 await run_collective(self, fp, lambda: latency.reduce_scatter(ctx, o, i, scratch[: i.nbytes]))

@@ -9,6 +9,7 @@ only after it was sent), all-gather receives land in place.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,12 +26,14 @@ def _layout(ctx: CollCtx, count: int) -> tuple[list[tuple[int, int]], int]:
     return blocks, nch
 
 
-async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray, count: int, do_rs: bool, do_ag: bool,
-                                        owned_shift: int = 1) -> None:
+async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray | None, count: int, do_rs: bool,
+                                        do_ag: bool, owned_shift: int = 1,
+                                        home: Callable[[int], tuple[np.ndarray, int]] | None = None) -> None:
     """In-place ring over `data` (count elements): reduce-scatter and/or all-gather phases.
 
     After the reduce-scatter phase rank r owns the reduced block (r + owned_shift) % n; the all-gather phase
     starts from that ownership. all_reduce uses shift 1 (the classic ring); reduce_scatter/all_gather use 0.
+    `home(block)`, where given, says where a block lives instead of `data`: (array, its first element).
     """
     n, r = ctx.size, ctx.rank
     if n == 1 or count == 0:
@@ -42,7 +45,8 @@ async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray, count: i
 
     def view(block: int, chunk: int) -> np.ndarray:
         a, b = chunk_ranges(*blocks[block % n], nch)[chunk]
-        return data[a * isz: b * isz]
+        arr, first = home(block % n) if home is not None else (data, 0)
+        return arr[(a - first) * isz: (b - first) * isz]
 
     # post every receive up front
     rs_recv = {}
@@ -87,11 +91,24 @@ async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
 
 
 async def reduce_scatter(ctx: CollCtx, out: Buf, inp: Buf, scratch: np.ndarray) -> None:
-    """scratch holds a copy of inp (it is reduced in place); rank r ends owning block r."""
-    await ring_reduce_scatter_allgather(ctx, scratch, inp.count, True, False, owned_shift=0)
-    a, b = block_ranges(inp.count, ctx.size)[ctx.rank]
+    """Rank r ends with block r reduced, in out; inp is only read. Block r - 1 is sent from inp as it is (no
+    rank sends it on reduced), block r is reduced into out, and only the blocks in between, which a rank
+    receives and then forwards, take a copy in scratch (n - 2 blocks: none with two ranks)."""
+    n, r = ctx.size, ctx.rank
     isz = ctx.dtype.itemsize
-    out.data[:] = scratch[a * isz: b * isz]
+    blocks = block_ranges(inp.count, n)
+    first = blocks[r][0]
+    out.data[:] = inp.data[first * isz: blocks[r][1] * isz]
+    for j, (a, b) in enumerate(blocks):
+        if j not in (r, (r - 1) % n):
+            scratch[a * isz: b * isz] = inp.data[a * isz: b * isz]
+
+    def home(block: int) -> tuple[np.ndarray, int]:
+        if block == r:
+            return out.data, first
+        return (inp.data, 0) if block == (r - 1) % n else (scratch, 0)
+
+    await ring_reduce_scatter_allgather(ctx, None, inp.count, True, False, owned_shift=0, home=home)
     ctx.finish_avg(out)
 
 

@@ -1,0 +1,134 @@
+"""all_reduce, all_gather and reduce_scatter between CPU islands (async API), side by side in one run.
+
+    python benchmarks/islands_cpu.py [--ranks 2] [--sizes 16M,64M] [--paths shm,hosts] [--repo OTHER_CHECKOUT]
+
+Every rank is its own island (HETCCL_ISLAND=cpu-<rank>); "shm" keeps them on one host (shared memory between
+them), "hosts" makes each rank its own host (HETCCL_HOST=h0,h1,...: TCP between them). Per op and size: one
+checked call, 2 warm-up calls, then --iters timed calls, each `barrier; t0; op; t1`; the time of a call is the
+slowest rank's, and the table shows the median with nccl-tests' bus bandwidth (all_reduce 2(n-1)/n, all_gather
+and reduce_scatter (n-1)/n of size / time; size: all_gather's output, reduce_scatter's input). --repo imports
+hetccl from another checkout (its native library built), for a before/after in one run: the two are
+interleaved size by size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchcommon import bus_factor, parse_size  # noqa: E402
+from rankproc import free_port  # noqa: E402
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+async def rank_main(sizes: list[int], iters: int) -> None:
+    import hetccl
+    import numpy as np
+
+    comm = await hetccl.init()
+    n, r = comm.size, comm.rank
+    rows = []
+    t = np.zeros(1, np.float64)
+    for size in sizes:
+        for op in OPS:
+            count = size // 4
+            if op == "all_reduce":
+                buf = np.full(count, r + 1, np.float32)
+                call, want = functools.partial(comm.all_reduce, buf), n * (n + 1) / 2
+            elif op == "all_gather":
+                inp, buf = np.full(count // n, r + 1, np.float32), np.zeros(count // n * n, np.float32)
+                call, want = functools.partial(comm.all_gather, buf, inp), None
+            else:
+                inp, buf = np.full(count // n * n, r + 1, np.float32), np.zeros(count // n, np.float32)
+                call, want = functools.partial(comm.reduce_scatter, buf, inp), n * (n + 1) / 2
+            await call()
+            if want is not None:
+                assert float(buf[0]) == want and float(buf[-1]) == want, (op, buf[0], want)
+            else:
+                k = count // n
+                assert all(float(buf[q * k]) == q + 1 for q in range(n)), op
+            for _ in range(2):
+                await call()
+            times = []
+            for _ in range(iters):
+                await comm.barrier()
+                t0 = time.perf_counter()
+                await call()
+                t[0] = time.perf_counter() - t0
+                await comm.all_reduce(t, op="max")
+                times.append(float(t[0]))
+            med = statistics.median(times)
+            rows.append({"op": op, "size": size, "ms": med * 1e3, "busbw": size / med / 1e9 * bus_factor(op, n)})
+    if r == 0:
+        print("ROWS " + json.dumps(rows), flush=True)
+    await comm.close()
+
+
+def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None) -> list[dict]:
+    port = free_port()
+    env = dict(os.environ)
+    root = repo or str(HERE.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    procs = []
+    for r in range(n):
+        e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=f"127.0.0.1:{port}",
+                 HETCCL_ISLAND=f"cpu-{r}", HETCCL_LOCAL_RANK=str(r), HETCCL_SECRET="islands-bench-secret")
+        if path == "hosts":
+            e["HETCCL_HOST"] = ",".join(f"h{q}" for q in range(n))
+        code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import asyncio, islands_cpu; "
+                f"asyncio.run(islands_cpu.rank_main({sizes!r}, {iters}))")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=e, cwd=root, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    rows: list[dict] = []
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise SystemExit(f"rank {r} ({path}, repo {root}) exited {p.returncode}:\n{err[-3000:]}")
+        for line in out.splitlines():
+            if line.startswith("ROWS "):
+                rows = json.loads(line[5:])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--sizes", default="16M,64M")
+    ap.add_argument("--paths", default="shm,hosts")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each job")
+    args = ap.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    variants = [("this", None)] + ([("before", args.repo)] if args.repo else [])
+    print(f"# CPU islands, {args.ranks} ranks, each its own island; {time.strftime('%Y-%m-%d')}, "
+          f"{os.cpu_count()} CPUs; {' '.join(sys.argv)}")
+    print("| path | op | size | " + " | ".join(f"{v} ms / busbw GB/s" for v, _ in variants) + " |")
+    print("|---|---|---|" + "---|" * len(variants))
+    for path in args.paths.split(","):
+        got: dict[str, list[list[dict]]] = {v: [] for v, _ in variants}
+        for _ in range(args.reps):
+            for v, repo in variants:  # interleaved
+                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo))
+        for i in range(len(got["this"][0])):
+            cells = []
+            for v, _ in variants:
+                ms = statistics.median(rows[i]["ms"] for rows in got[v])
+                bw = statistics.median(rows[i]["busbw"] for rows in got[v])
+                cells.append(f"{ms:.1f} / {bw:.2f}")
+            row = got["this"][0][i]
+            print(f"| {path} | {row['op']} | {row['size'] >> 20} MiB | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
