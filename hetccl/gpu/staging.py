@@ -83,7 +83,7 @@ async def staged_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any,
     raw = t.view(torch.uint8)
     n = raw.numel()
     if n == 0:
-        await leaders.flat_all_reduce(as_buf(t.cpu()), op)
+        await leaders.flat_all_reduce(as_buf(torch.empty(0, dtype=t.dtype)), op)  # no device call: none is needed
         return
     isz = t.element_size()
     chunk = (STAGE_CHUNK // isz) * isz
