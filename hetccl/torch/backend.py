@@ -120,8 +120,9 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
 # CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
 _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
-# a collective of CUDA tensors through the loop (across islands) is ordered on the caller's stream and returns
-# at once (gpu/streamorder.py), as inside one island; 0: its wait() holds the thread until the end
+# 1: a collective of CUDA tensors through the loop (across islands) is ordered on the caller's stream and returns
+# at once (gpu/streamorder.py), as inside one island; off by default: on one H200 (2026-12-03) a loop thread got
+# stuck while a caller's stream waited on its word (docs/architecture.md §11)
 _STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
 
 
