@@ -118,19 +118,25 @@ def test_trace_name_and_cap(tmp_path, monkeypatch) -> None:
 
 
 def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            base = a.getsockname()[1]
-            if base >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
+    """Two consecutive free ports below the kernel's ephemeral range: a port that the test binds to 0 to find
+    would be free again at once, and the ranks' own listeners (bound to 0 too) could take it before the exporter
+    starts. Below the range nothing is handed out unasked."""
+    import random
+
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    for _ in range(200):
+        base = random.randrange(max(1024, lo - 12000), lo - 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
         return base
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError("no two consecutive free ports below the ephemeral range")
 
 
 def _series(text: str) -> dict[tuple[str, frozenset], float]:
