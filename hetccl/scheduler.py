@@ -99,6 +99,19 @@ def _reducer(dtype: DType, op: ReduceOp, incoming_first: bool = False) -> Callab
     return fn
 
 
+def _reducer_from(first: np.ndarray, dst: np.ndarray, dtype: DType, op: ReduceOp
+                  ) -> Callable[[np.ndarray, Any], None]:
+    """part = first's matching bytes OP incoming, for any part of dst a transport lands (a frame's slice or all
+    of it: its offset is its address's distance from dst's)."""
+    isz, base = dtype.itemsize, dst.__array_interface__["data"][0]
+
+    def fn(part: np.ndarray, src: Any) -> None:
+        off = part.__array_interface__["data"][0] - base
+        native.reduce3(part, first[off: off + len(part)], src, dtype, op, len(part) // isz)
+
+    return fn
+
+
 def make_tag(phase: int, step: int, chunk: int) -> int:
     return (phase << 48) | (step << 24) | chunk
 
@@ -127,12 +140,15 @@ class CollCtx:
             return _obs.send(self, peer, tag, data)
         return self.eps[peer].send(self.fp, tag, data)
 
-    def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False, incoming_first: bool = False
-             ) -> asyncio.Future:
+    def recv(self, peer: int, tag: int, dst: np.ndarray, reduce: bool = False, incoming_first: bool = False,
+             first: np.ndarray | None = None) -> asyncio.Future:
         """Receive into dst; with reduce, dst = dst OP incoming (or incoming OP dst with incoming_first: the
-        operand order matters only for bitwise agreement on ties, e.g. min(-0.0, +0.0))."""
+        operand order matters only for bitwise agreement on ties, e.g. min(-0.0, +0.0)). With `first` (as long
+        as dst), dst = first OP incoming: dst's old content is never read, so nothing is copied in beforehand."""
         fn = None
-        if reduce:
+        if first is not None:
+            fn = _reducer_from(first, dst, self.dtype, self.op)  # type: ignore[arg-type]
+        elif reduce:
             fn = _reducer(self.dtype, self.op, incoming_first) if incoming_first else self.reducer  # type: ignore[arg-type]
         if _obs.ON:
             return _obs.recv(self, peer, tag, dst, fn)  # type: ignore[return-value]

@@ -28,12 +28,15 @@ def _layout(ctx: CollCtx, count: int) -> tuple[list[tuple[int, int]], int]:
 
 async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray | None, count: int, do_rs: bool,
                                         do_ag: bool, owned_shift: int = 1,
-                                        home: Callable[[int], tuple[np.ndarray, int]] | None = None) -> None:
+                                        home: Callable[[int], tuple[np.ndarray, int]] | None = None,
+                                        first: np.ndarray | None = None) -> None:
     """In-place ring over `data` (count elements): reduce-scatter and/or all-gather phases.
 
     After the reduce-scatter phase rank r owns the reduced block (r + owned_shift) % n; the all-gather phase
     starts from that ownership. all_reduce uses shift 1 (the classic ring); reduce_scatter/all_gather use 0.
     `home(block)`, where given, says where a block lives instead of `data`: (array, its first element).
+    `first`, where given, is the input laid out as the blocks are: a received block is reduced with its part
+    of `first` into its home (home = first OP incoming), whose old content is never read.
     """
     n, r = ctx.size, ctx.rank
     if n == 1 or count == 0:
@@ -45,8 +48,14 @@ async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray | None, c
 
     def view(block: int, chunk: int) -> np.ndarray:
         a, b = chunk_ranges(*blocks[block % n], nch)[chunk]
-        arr, first = home(block % n) if home is not None else (data, 0)
-        return arr[(a - first) * isz: (b - first) * isz]
+        arr, lo = home(block % n) if home is not None else (data, 0)
+        return arr[(a - lo) * isz: (b - lo) * isz]
+
+    def first_of(block: int, chunk: int) -> np.ndarray | None:
+        if first is None:
+            return None
+        a, b = chunk_ranges(*blocks[block % n], nch)[chunk]
+        return first[a * isz: b * isz]
 
     # post every receive up front
     rs_recv = {}
@@ -55,7 +64,8 @@ async def ring_reduce_scatter_allgather(ctx: CollCtx, data: np.ndarray | None, c
         if do_rs:
             for s in range(n - 1):
                 dst = view(r + base - s - 1, c)
-                rs_recv[s, c] = ctx.recv(left, make_tag(RS, s, c), dst, reduce=True) if len(dst) else None
+                rs_recv[s, c] = ctx.recv(left, make_tag(RS, s, c), dst, reduce=True,
+                                         first=first_of(r + base - s - 1, c)) if len(dst) else None
         if do_ag:
             for s in range(n - 1):
                 dst = view(r + base + 1 - s - 1, c)
@@ -91,24 +101,22 @@ async def all_reduce(ctx: CollCtx, buf: Buf) -> None:
 
 
 async def reduce_scatter(ctx: CollCtx, out: Buf, inp: Buf, scratch: np.ndarray) -> None:
-    """Rank r ends with block r reduced, in out; inp is only read. Block r - 1 is sent from inp as it is (no
-    rank sends it on reduced), block r is reduced into out, and only the blocks in between, which a rank
-    receives and then forwards, take a copy in scratch (n - 2 blocks: none with two ranks)."""
+    """Rank r ends with block r reduced, in out; inp is only read and nothing is copied. Block r - 1 is sent from
+    inp as it is (no rank sends it on reduced); every block a rank receives is reduced with its part of inp
+    straight into its home: block r into out, the blocks it forwards (n - 2) into scratch."""
     n, r = ctx.size, ctx.rank
-    isz = ctx.dtype.itemsize
-    blocks = block_ranges(inp.count, n)
-    first = blocks[r][0]
-    out.data[:] = inp.data[first * isz: blocks[r][1] * isz]
-    for j, (a, b) in enumerate(blocks):
-        if j not in (r, (r - 1) % n):
-            scratch[a * isz: b * isz] = inp.data[a * isz: b * isz]
+    if n == 1:
+        out.data[:] = inp.data
+        return
+    first = block_ranges(inp.count, n)[r][0]
 
     def home(block: int) -> tuple[np.ndarray, int]:
         if block == r:
             return out.data, first
         return (inp.data, 0) if block == (r - 1) % n else (scratch, 0)
 
-    await ring_reduce_scatter_allgather(ctx, None, inp.count, True, False, owned_shift=0, home=home)
+    await ring_reduce_scatter_allgather(ctx, None, inp.count, True, False, owned_shift=0, home=home,
+                                        first=inp.data)
     ctx.finish_avg(out)
 
 
