@@ -128,6 +128,15 @@ def on_close(fab: Fabric) -> None:
     _refresh()
 
 
+def balance_shares(rank: int, shares: list[int], reason: str) -> None:
+    """hetccl.torch.balance set new shares of the global batch: an instant in the trace, this rank's share and
+    a count of changes by kind (the reason's first word) in the metrics."""
+    if TRACE is not None:
+        TRACE.instant("balance", "shares", {"shares": shares, "reason": reason})
+    if METRICS is not None:
+        METRICS.balance(shares[rank], reason.split(":")[0].split()[0])
+
+
 # ---- what the cost model chooses -------------------------------------------------------------------------
 def fmt_bytes(n: int) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):

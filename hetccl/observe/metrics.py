@@ -51,6 +51,10 @@ class Metrics:
                                   ["op", "transport", "peer", "direction"], registry=registry)
         self.errors = pc.Counter("hetccl_errors", "failed collectives by error class", ["op", "error"],
                                  registry=registry)
+        self.share = pc.Gauge("hetccl_batch_share", "this rank's share of the global batch (hetccl.torch.balance)",
+                              registry=registry)
+        self.rebalances = pc.Counter("hetccl_balance_changes", "changes of the batch shares, by kind", ["kind"],
+                                     registry=registry)
         self.info = pc.Gauge("hetccl_rank_info", "this rank", ["rank", "world_size", "local_rank", "island", "host"],
                              registry=registry)
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -90,6 +94,10 @@ class Metrics:
     def transport(self, op: str, transport: str, peer: int, direction: str, nbytes: int) -> None:
         self._child(self.t_ops, op, transport, str(peer), direction).inc()
         self._child(self.t_bytes, op, transport, str(peer), direction).inc(nbytes)
+
+    def balance(self, share: int, kind: str) -> None:
+        self.share.set(share)
+        self._child(self.rebalances, kind).inc()
 
     def stop(self) -> None:
         srv = self.server

@@ -124,6 +124,10 @@ class Tracer:
         self.emit({"ph": "X", "cat": cat, "name": name, "ts": self.us(t0), "dur": (t1 - t0) / 1e3,
                    "pid": self.rank, "tid": lane, "args": args})
 
+    def instant(self, cat: str, name: str, args: dict[str, Any]) -> None:
+        self.emit({"ph": "i", "s": "p", "cat": cat, "name": name, "ts": self.us(time.perf_counter_ns()),
+                   "pid": self.rank, "tid": 0, "args": args})
+
     def _meta(self, name: str, args: dict[str, Any], tid: int = 0) -> None:
         self.buf.append({"ph": "M", "name": name, "pid": self.rank, "tid": tid, "args": args})
 

@@ -1,0 +1,484 @@
+"""Uneven shares of each global batch, so that islands of different speed finish their steps together.
+
+A synchronous job runs at its slowest rank's pace. Here rank i takes b_i samples of each global batch of B
+(sum b_i = B), and the gradient every replica applies stays the global-batch mean, sum_i (b_i / B) g_i:
+
+    from hetccl.torch import balance
+    bal = balance.Balancer(global_batch=256)              # shares="auto" (measured), "equal", or [b_0, ...]
+    sampler = balance.BatchSampler(dataset, bal, seed=0)  # in place of DistributedSampler + batch_size
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=sampler.collate())
+    model = DDP(model)                                    # or fully_shard(model), or a plain module
+    bal.attach(model)                                     # the gradient weighting (and the timing, for auto)
+    for epoch in ...:
+        sampler.set_epoch(epoch)
+        for x, y in loader: ...                           # the loss code does not change
+
+Weighting: `attach` scales the gradient that flows back into the model's outputs by w_i = b_i W / B, so the
+average that DDP (any reducer or comm hook) or FSDP2 takes over W ranks is the global mean. A rank with a share of
+0 runs its step on an empty batch, and so still takes part in every collective.
+
+Auto shares: the first steps run the equal split, then a probe of uneven shares; each rank times its forward
+compute at both sizes (the waits of FSDP2's all_gathers excluded), fits cost = a_i + c_i b, and rank 0 picks the
+integer shares that minimise the slowest rank's predicted step under each rank's cap, then broadcasts them. Every
+`check_every` steps it looks again, and re-balances when a rank's step drifted by more than `drift`. The
+forward's time stands for the step's compute (backward costs about twice it on any device). The decisions
+happen in the sampler, at the same batch on every rank, so they need the sampler to be iterated in the training
+loop's order (DataLoader workers and prefetching are fine).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
+from torch.utils.data import Sampler, default_collate
+
+from hetccl import observe
+from hetccl.errors import ConfigError
+
+log = logging.getLogger("hetccl.balance")
+
+# the per-rank statistics that auto mode gathers at each decision: a, c, ready, recent time, recent share,
+# recent count, cap
+_STATS = 7
+
+
+def solve(costs: Sequence[tuple[float, float]], total: int, caps: Sequence[int] | None = None) -> list[int]:
+    """Integer shares summing to `total` that minimise max_i (a_i + c_i b_i) with 0 <= b_i <= cap_i: one
+    sample at a time to the rank that would finish it first (optimal for costs that grow with b)."""
+    n = len(costs)
+    caps = list(caps) if caps is not None else [total] * n
+    if sum(min(c, total) for c in caps) < total:
+        raise ConfigError(f"balance: the ranks' caps {list(caps)} hold fewer than the global batch of {total} "
+                          "samples; raise the caps or lower global_batch")
+    shares = [0] * n
+    heap = [(a + c, i) for i, (a, c) in enumerate(costs) if caps[i] > 0]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        if shares[i] < caps[i]:
+            a, c = costs[i]
+            heapq.heappush(heap, (a + c * (shares[i] + 1), i))
+    return shares
+
+
+def _equal(total: int, n: int) -> list[int]:
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
+def _scaled(shares: Sequence[int], total: int) -> list[int]:
+    """Shares of a shorter last batch (drop_last=False): proportional, largest remainders first."""
+    whole = sum(shares)
+    exact = [s * total / whole for s in shares]
+    out = [int(e) for e in exact]
+    for i in sorted(range(len(shares)), key=lambda i: out[i] - exact[i])[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """cost = a + c b by least squares over the median time at each batch size; None under two sizes."""
+    by_size: dict[int, list[float]] = {}
+    for b, t in records:
+        by_size.setdefault(b, []).append(t)
+    pts = [(b, statistics.median(ts)) for b, ts in by_size.items() if b > 0]
+    if len(pts) < 2:
+        return None
+    mb = sum(b for b, _ in pts) / len(pts)
+    mt = sum(t for _, t in pts) / len(pts)
+    var = sum((b - mb) ** 2 for b, _ in pts)
+    c = sum((b - mb) * (t - mt) for b, t in pts) / var
+    if c <= 0:  # noise larger than the size's effect: a per-sample cost without a fixed part
+        return 0.0, max(1e-12, sum(t for _, t in pts) / sum(b for b, _ in pts))
+    return max(0.0, mt - c * mb), c
+
+
+class _ComputeTimer:
+    """The forward's compute on this rank: wall time on the CPU, CUDA events on the GPU, summed over segments
+    that leave out what FSDP2's own hooks wait for (each fully_shard module's all_gather). Hands on
+    (batch size, seconds) per training forward; `size()` says the size when the forward ends."""
+
+    def __init__(self, root: torch.nn.Module, size: Callable[[], int], on_done: Callable[[int, float], None]):
+        self.size, self.on_done = size, on_done
+        self.cuda = any(p.is_cuda for p in root.parameters())
+        self.active = False  # a training forward of root is running
+        self.depth = 0
+        self.open: Any = None  # the start of the running segment
+        self.segments: list[tuple[Any, Any]] = []
+        self.pending: deque[tuple[int, list[tuple[Any, Any]]]] = deque()  # CUDA: read once the events are done
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            FSDPModule = ()  # noqa: N806
+        inner = [m for m in root.modules() if m is not root and isinstance(m, FSDPModule)]
+        for m in [root, *inner]:
+            # a prepended hook runs before FSDP2's (which is prepended too, earlier), an appended one after it
+            m.register_forward_pre_hook(self._pause, prepend=True)
+            m.register_forward_pre_hook(self._enter if m is root else self._resume)
+            m.register_forward_hook(self._pause, prepend=True)
+            m.register_forward_hook(self._leave if m is root else self._resume)
+
+    def _stamp(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _enter(self, module: torch.nn.Module, *_: Any) -> None:
+        self.depth += 1
+        if self.depth == 1 and module.training and torch.is_grad_enabled():
+            self.active, self.segments, self.open = True, [], self._stamp()
+
+    def _pause(self, *_: Any) -> None:
+        if self.open is not None:
+            self.segments.append((self.open, self._stamp()))
+            self.open = None
+
+    def _resume(self, *_: Any) -> None:
+        if self.active and self.open is None:
+            self.open = self._stamp()
+
+    def _leave(self, *_: Any) -> None:
+        self.depth -= 1
+        if self.depth or not self.active:
+            return
+        self._pause()
+        self.active = False
+        if self.cuda:
+            self.pending.append((self.size(), self.segments))
+        else:
+            self.on_done(self.size(), sum(b - a for a, b in self.segments))
+
+    def collect(self) -> None:
+        """CUDA: hand on the forwards whose events have completed."""
+        while self.pending and self.pending[0][1][-1][1].query():
+            b, segs = self.pending.popleft()
+            self.on_done(b, sum(a.elapsed_time(e) for a, e in segs) / 1e3)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by w (w = 0: zeros, even where the gradient is NaN, as
+    the loss of an empty batch makes it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.w = w
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return (g * ctx.w if ctx.w else torch.zeros_like(g)), None
+
+
+class Balancer:
+    """This rank's share of each global batch, and the gradient weighting that keeps the average exact.
+
+    shares: "auto" (measured and re-balanced), "equal", or a list of W integers summing to global_batch.
+    cap: the most samples this rank may take per step (auto mode; each rank passes its own).
+    group: the process group (default WORLD); without torch.distributed initialised, one rank."""
+
+    def __init__(self, global_batch: int, shares: str | Sequence[int] = "auto", *, group: Any = None,
+                 cap: int | None = None, warmup: int = 1, calibrate_steps: int = 4, check_every: int = 10,
+                 drift: float = 0.15):
+        self.group = group
+        on = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if on else 1
+        self.rank = dist.get_rank(group) if on else 0
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ConfigError(f"balance: global_batch must be a positive integer (got {global_batch!r})")
+        self.global_batch = global_batch
+        if cap is not None and cap < 0:
+            raise ConfigError(f"balance: cap must be >= 0 (got {cap}); 0 gives this rank no samples")
+        self.cap = global_batch if cap is None else min(cap, global_batch)
+        self.warmup, self.calibrate_steps = warmup, max(1, calibrate_steps)
+        self.check_every, self.drift = max(1, check_every), drift
+        if isinstance(shares, str):
+            if shares not in ("auto", "equal"):
+                raise ConfigError(f"balance: shares must be 'auto', 'equal' or a list of {self.world} integers "
+                                  f"(got {shares!r})")
+            self.mode = shares
+            if global_batch < self.world:
+                raise ConfigError(f"balance: a global batch of {global_batch} cannot give each of the {self.world} "
+                                  f"ranks a sample with shares={shares!r}; raise global_batch to at least "
+                                  f"{self.world} or give the shares as a list (0 for the ranks left out)")
+            self.shares = _equal(global_batch, self.world)
+        else:
+            self.mode = "fixed"
+            self.shares = self._check_list(shares)
+        self.step = 0  # batches handed out so far (every epoch)
+        self.history: list[tuple[int, list[int], str]] = []
+        self.attached = False
+        self._issued: deque[tuple[int, int]] = deque()  # (this rank's share, batch total), consumed by forward
+        self._records: deque[tuple[int, float]] = deque(maxlen=8 * self.check_every + 16)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=max(3, self.check_every // 2))
+        self._model: list[tuple[float, float]] | None = None  # rank 0: each rank's (a, c)
+        self._calibrated = False
+        self._last_check = 0
+        self.caps = [self.cap] * self.world
+        self._timer: _ComputeTimer | None = None
+        self._seen = 0  # forwards timed (the first `warmup` are not recorded)
+        self._last = (self.shares[self.rank], global_batch)  # (share, batch total) of the last training forward
+        if self.mode == "auto":
+            self._check_caps_now()
+        self._decided(self.shares, "initial " + self.mode + (" split" if self.mode != "fixed" else " shares"))
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def _check_list(self, shares: Sequence[int]) -> list[int]:
+        out = [int(s) for s in shares]
+        if len(out) != self.world or any(s < 0 or s != v for s, v in zip(out, shares, strict=True)):
+            raise ConfigError(f"balance: shares must be {self.world} non-negative integers, one per rank "
+                              f"(got {list(shares)})")
+        if sum(out) != self.global_batch:
+            raise ConfigError(f"balance: the shares {out} sum to {sum(out)}, not to the global batch of "
+                              f"{self.global_batch}; make them add up, or pass shares='auto'")
+        return out
+
+    def _check_caps_now(self) -> None:
+        caps = [int(v) for v in self._gather([float(self.cap)] + [0.0] * (_STATS - 1))[:, 0].tolist()]
+        if max(caps) < 1:
+            raise ConfigError(f"balance: every rank's cap is below 1 ({caps}): no rank may take a sample; give "
+                              "at least one rank cap >= 1")
+        if sum(caps) < self.global_batch:
+            raise ConfigError(f"balance: the ranks' caps {caps} hold fewer than the global batch of "
+                              f"{self.global_batch} samples; raise the caps or lower global_batch")
+        self.caps = caps
+        if any(s > c for s, c in zip(self.shares, caps, strict=True)):
+            self.shares = solve([(0.0, 1.0)] * self.world, self.global_batch, caps)
+
+    # ---- collectives of auto mode (a few per decision, none in between) ----------------------------------
+    def _device(self) -> torch.device:
+        if self.world > 1 and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _gather(self, row: list[float]) -> torch.Tensor:
+        mine = torch.tensor(row, dtype=torch.float64, device=self._device())
+        if self.world == 1:
+            return mine.reshape(1, -1).cpu()
+        out = torch.empty(self.world * len(row), dtype=torch.float64, device=mine.device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        return out.reshape(self.world, -1).cpu()
+
+    def _broadcast(self, shares: list[int]) -> list[int]:
+        if self.world == 1:
+            return shares
+        t = torch.tensor(shares, dtype=torch.int64, device=self._device())
+        dist.broadcast(t, dist.get_global_rank(self.group, 0) if self.group is not None else 0, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    # ---- the plan, batch by batch ------------------------------------------------------------------------
+    def next_shares(self, total: int | None = None) -> list[int]:
+        """The shares of the next global batch (of `total` samples, the global batch unless the last one is
+        short): called by BatchSampler once per batch, on every rank in the same order."""
+        total = self.global_batch if total is None else total
+        k = self.step
+        self.step += 1
+        if self.mode == "auto":
+            self._plan(k)
+        shares = self.shares if total == self.global_batch else _scaled(self.shares, total)
+        self._issued.append((shares[self.rank], total))
+        return shares
+
+    def _plan(self, k: int) -> None:
+        probe_at = self.warmup + self.calibrate_steps
+        if k == probe_at and not self._calibrated:
+            probe = self._probe()
+            if probe != self.shares:
+                self._decided(probe, "calibration: uneven shares to time a second batch size")
+        if (k >= 2 * probe_at and not self._calibrated) or (self._calibrated and k - self._last_check
+                                                           >= self.check_every):
+            self._decide(k)
+
+    def _probe(self) -> list[int]:
+        """Shares a third off the current ones, alternately up and down (the sum unchanged), within the caps."""
+        out = list(self.shares)
+        for i in range(0, self.world - 1, 2):
+            d = min(max(1, out[i] // 3), out[i + 1], self.caps[i] - out[i])
+            if d > 0:
+                out[i], out[i + 1] = out[i] + d, out[i + 1] - d
+        return out
+
+    def _decide(self, k: int) -> None:
+        """Every rank: send its fit and recent step time; rank 0 chooses; its choice is broadcast."""
+        if self._timer is not None:
+            self._timer.collect()
+        fit = _fit(list(self._records))
+        recent = [(b, t) for b, t in self._recent if self._recent and b == self._recent[-1][0]]
+        rt = statistics.median(t for _, t in recent) if recent else 0.0
+        rb = recent[-1][0] if recent else 0
+        row = [fit[0] if fit else 0.0, fit[1] if fit else 0.0, 1.0 if fit else 0.0, rt, float(rb),
+               float(len(recent)), float(self.cap)]
+        stats = self._gather(row)
+        new, reason = self._choose(k, stats.tolist()) if self.rank == 0 else (None, "")
+        got = self._broadcast((new or self.shares) + [0 if new is None else 1])
+        self._last_check = k
+        if got[-1]:
+            self._calibrated = True
+            self._recent.clear()
+            if got[:-1] != self.shares:
+                self._decided(got[:-1], reason or "chosen by rank 0")
+
+    def _choose(self, k: int, rows: list[list[float]]) -> tuple[list[int] | None, str]:
+        """Rank 0: the new shares (None: keep them) and why."""
+        caps = [int(r[6]) for r in rows]
+        if not self._calibrated:
+            late = k > 2 * (self.warmup + self.calibrate_steps) + 4 * self.check_every
+            if not late and not all(r[2] for r in rows if r[6] >= 1):
+                return None, ""  # a rank has not timed two batch sizes yet: ask again next batch
+            # a rank that never timed two sizes (shares of 1, or a cap): its per-sample cost alone
+            self._model = [(r[0], r[1]) if r[2] else (0.0, r[3] / r[4] if r[4] else 1.0) for r in rows]
+            shares = solve(self._model, self.global_batch, caps)
+            return shares, "calibrated: " + self._describe(shares)
+        assert self._model is not None
+        # each rank's measured step at its current share corrects its cost (the fixed part stays): a drift, or
+        # the calibration's error, which the next choice then moves toward equal steps
+        drifted, measured = [], []
+        for i, (_, _, _, rt, rb, rn, _) in enumerate(rows):
+            a, c = self._model[i]
+            pred = a + c * rb
+            if rn < 3 or rb < 1:
+                measured.append(a + c * self.shares[i])
+                continue
+            measured.append(rt)
+            if pred > 0 and abs(rt / pred - 1) > self.drift:
+                drifted.append(f"rank {i}'s step went from {pred * 1e3:.1f} to {rt * 1e3:.1f} ms at {int(rb)} "
+                               "samples")
+            self._model[i] = (a, (rt - a) / rb) if rt > a else (0.0, rt / rb)
+        shares = solve(self._model, self.global_batch, caps)
+        worst = max(a + c * b for (a, c), b in zip(self._model, shares, strict=True))
+        if shares == self.shares or worst > (1 - self.drift / 3) * max(measured):
+            return None, ""  # not worth a change: within the noise of a step
+        why = "drift: " + "; ".join(drifted) if drifted else \
+            "refined: measured steps " + ", ".join(f"{t * 1e3:.1f}" for t in measured) + " ms"
+        return shares, why + "; " + self._describe(shares)
+
+    def _describe(self, shares: list[int]) -> str:
+        assert self._model is not None
+        per = ", ".join(f"rank {i} {a * 1e3:.2f} ms + {c * 1e6:.1f} us/sample"
+                        for i, (a, c) in enumerate(self._model))
+        worst = max(a + c * b for (a, c), b in zip(self._model, shares, strict=True))
+        return f"{per}; predicted step {worst * 1e3:.1f} ms"
+
+    def _decided(self, shares: list[int], reason: str) -> None:
+        self.shares = list(shares)
+        self.history.append((self.step, list(shares), reason))
+        if self.rank == 0:
+            log.info("balance: from batch %d the shares are %s (%s)", self.step, shares, reason)
+        observe.balance_shares(self.rank, self.shares, reason)
+
+    # ---- the model side ----------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module) -> Balancer:
+        """Weight the gradients of `model` (a DDP module, a fully_shard module or a plain one) by this rank's
+        share, and time its forwards for auto mode. One training forward per batch of the sampler."""
+        if self.attached:
+            raise ConfigError("balance: attach() was called twice; the gradients would be weighted twice")
+        root = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        root.register_forward_hook(self._weigh)  # before the timer's last hook: the size is known when it ends
+        if self.mode == "auto":
+            self._timer = _ComputeTimer(root, lambda: self._last[0], self._record)
+        self.attached = True
+        return self
+
+    def _record(self, b: int, seconds: float) -> None:
+        self._seen += 1
+        if self._seen > self.warmup:
+            self._records.append((b, seconds))
+            self._recent.append((b, seconds))
+
+    def _weigh(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        self._last = self._issued.popleft() if self._issued else (self.shares[self.rank], self.global_batch)
+        b, total = self._last
+        w = b * self.world / total
+        if w == 1.0:
+            return None
+        return tree_map_only(torch.Tensor, lambda t: _ScaleGrad.apply(t, w)
+                             if t.requires_grad and t.is_floating_point() else t, output)
+
+    def mean(self, value: torch.Tensor | float) -> torch.Tensor:
+        """The global-batch mean of a per-rank mean (a loss, an accuracy) of the batch this rank last trained
+        on: sum_i b_i value_i / B, the same on every rank (a rank with a share of 0 counts for nothing)."""
+        b, total = self._last
+        t = torch.as_tensor(value).detach().to(torch.float64).reshape(())
+        out = (t * b if b else torch.zeros((), dtype=torch.float64)).to(self._device())
+        if self.world > 1:
+            dist.all_reduce(out, group=self.group)
+        return out.cpu() / total
+
+    def require_weighting(self) -> None:
+        if not self.attached:
+            raise ConfigError("balance: the sampler hands out uneven shares, but no model's gradients are weighted "
+                              "by them, so DDP / FSDP2 would average them wrongly; call balancer.attach(model) "
+                              "before iterating the sampler")
+
+
+def global_batches(size: int, global_batch: int, seed: int, shuffle: bool = True, drop_last: bool = True
+                   ) -> Iterator[list[int]]:
+    """An epoch's global batches of a data set of `size` samples, as BatchSampler cuts them (its seed plus the
+    epoch): what a single process trains on, for a reference run."""
+    idx = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else \
+        list(range(size))
+    steps = size // global_batch if drop_last else -(-size // global_batch)
+    for k in range(steps):
+        yield idx[k * global_batch:(k + 1) * global_batch]
+
+
+class BatchSampler(Sampler[list[int]]):
+    """Each step's global batch of the data set (the same one a single process with this seed draws: a
+    permutation seeded by seed + epoch, cut into batches of global_batch), and this rank's slice of it. Use it as
+    a DataLoader's batch_sampler, with `collate()` as its collate_fn (it keeps empty batches well formed)."""
+
+    def __init__(self, data: Any, balancer: Balancer, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True):
+        self.data = data
+        self.size = data if isinstance(data, int) else len(data)
+        self.balancer, self.shuffle, self.seed, self.drop_last = balancer, shuffle, seed, drop_last
+        self.epoch = 0
+        if self.size < balancer.global_batch and drop_last:
+            raise ConfigError(f"balance: the data set has {self.size} samples, fewer than one global batch of "
+                              f"{balancer.global_batch}; lower global_batch or pass drop_last=False")
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        b = self.balancer.global_batch
+        return self.size // b if self.drop_last else -(-self.size // b)
+
+    def global_batches(self) -> Iterator[list[int]]:
+        """The epoch's global batches, whole (what a single process trains on)."""
+        return global_batches(self.size, self.balancer.global_batch, self.seed + self.epoch, self.shuffle,
+                              self.drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        bal = self.balancer
+        bal.require_weighting()
+        for batch in self.global_batches():
+            shares = bal.next_shares(len(batch))
+            lo = sum(shares[:bal.rank])
+            yield batch[lo:lo + shares[bal.rank]]
+
+    def collate(self, inner: Callable[[list[Any]], Any] = default_collate) -> Callable[[list[Any]], Any]:
+        """`inner` (default_collate), except that an empty batch (a share of 0) comes out as the collation of
+        one sample cut to length 0, so the model still runs its step."""
+        data = self.data
+
+        def collate(samples: list[Any]) -> Any:
+            if samples:
+                return inner(samples)
+            if isinstance(data, int):
+                raise ConfigError("balance: an empty batch needs the data set itself: pass it to BatchSampler")
+            return tree_map_only(torch.Tensor, lambda t: t[:0], inner([data[0]]))
+
+        return collate

@@ -1,0 +1,204 @@
+"""Rank bodies for tests/test_balance.py: `python tests/balance_workers.py CASE` under torchrun or `hetccl run`.
+Exit code 0 means every check passed. Each rank also trains the single-process reference itself (the same
+global batches, one model), so it checks its own replica against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetccl.torch  # noqa: F401  (registers the "hetccl" backend)
+from hetccl.errors import ConfigError
+from hetccl.torch import balance
+
+B, STEPS, LR = 16, 4, 0.1
+for _var in ("HETCCL_ISLAND", "HETCCL_HOST"):  # TEST_<VAR>: one value per rank, indexed by the global rank
+    if os.environ.get("TEST_" + _var):
+        os.environ[_var] = os.environ["TEST_" + _var].split(",")[int(os.environ["RANK"])]
+
+
+def _data(n: int = 8 * B) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, :1] * 2 - x[:, 1:2]).tanh() + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1))
+
+
+class SlowPerSample(torch.nn.Module):
+    """Sleeps a + c * batch in its forward: a rank made deliberately slower per sample (the balancer's fixture)."""
+
+    def __init__(self, a: float, c: float):
+        super().__init__()
+        self.a, self.c = a, c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.a + self.c * len(x))
+        return x
+
+
+def _reference(ds: TensorDataset, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """One process over the same global batches."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _, idx in zip(range(steps), balance.global_batches(len(ds), B, seed), strict=False):
+        x, y = ds[idx]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(model: torch.nn.Module, bal: balance.Balancer, ds: TensorDataset, steps: int, slow: Any = None
+           ) -> list[float]:
+    sampler = balance.BatchSampler(ds, bal, seed=0)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=sampler.collate())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for k, (x, y) in zip(range(steps), loader, strict=False):
+        if slow is not None:
+            slow(k)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(bal.mean(loss.detach() if len(x) else 0.0)))
+    return losses
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float, what: str) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = ((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
+        if err > tol:
+            raise AssertionError(f"rank {dist.get_rank()}: {what}: parameter {i} off by {err:.3g} relative (> {tol})")
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(p.detach().clone())
+    return out
+
+
+def case_exact() -> None:
+    """DDP (default reducer, torch's and hetccl's comm hooks) and FSDP2, shares uneven and with a 0: every
+    replica equals the single-process run over the same global batches."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.fsdp import fully_shard
+
+    from hetccl.torch import hooks
+
+    dist.init_process_group("hetccl")
+    n = dist.get_world_size()
+    _errors(n)
+    ds = _data()
+    want = _reference(ds, STEPS)
+    uneven = [3, B - 3 - (n - 2)] + [1] * (n - 2)
+    zero = [0, B - (n - 2)] + [1] * (n - 2)
+    cases = [("ddp", uneven, None, 1e-5), ("ddp", zero, None, 1e-5),
+             ("ddp", uneven, default_hooks.allreduce_hook, 1e-5), ("ddp", uneven, hooks.allreduce_hook, 1e-5),
+             ("ddp", uneven, default_hooks.fp16_compress_hook, 5e-3),
+             ("ddp", uneven, hooks.bf16_compress_hook, 3e-2),
+             ("fsdp2", uneven, None, 1e-5), ("fsdp2", zero, None, 1e-5)]
+    for kind, shares, hook, tol in cases:
+        what = f"{kind} shares {shares} hook {getattr(hook, '__module__', '')}.{getattr(hook, '__name__', None)}"
+        model = _model()
+        if kind == "ddp":
+            model = DDP(model)
+            if hook is not None:
+                model.register_comm_hook(None, hook)
+        else:
+            for m in model:
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m)
+            fully_shard(model)
+        bal = balance.Balancer(B, shares).attach(model)
+        losses = _train(model, bal, ds, STEPS)
+        _close(_params(model), want, tol, what)
+        assert len(set(losses)) == len(losses) and all(x == x for x in losses), (what, losses)
+    # without the weighting, uneven shares are averaged per rank: far off (the check above can fail)
+    model = DDP(_model())
+    bal = balance.Balancer(B, uneven)
+    bal.attached = True  # pretend: the sampler's guard is what stops this in real use
+    _train(model, bal, ds, STEPS)
+    try:
+        _close(_params(model), want, 1e-3, "unweighted")
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("uneven shares without the weighting matched the reference: the check is blind")
+    dist.destroy_process_group()
+
+
+def _errors(n: int) -> None:
+    """Bad shares, caps and use each raise a ConfigError that says what to do, on every rank."""
+    for kw, match in [({"global_batch": B, "shares": [B] + [1] * (n - 1)}, "sum to"),
+                      ({"global_batch": B, "shares": [B]}, f"{n} non-negative integers"),
+                      ({"global_batch": n - 1, "shares": "equal"}, "cannot give each"),
+                      ({"global_batch": n - 1, "shares": "auto"}, "cannot give each"),
+                      ({"global_batch": B, "shares": "fast"}, "'auto', 'equal'"),
+                      ({"global_batch": B, "cap": 0}, "below 1"),
+                      ({"global_batch": B, "cap": 1}, "hold fewer")]:
+        try:
+            balance.Balancer(**kw)
+        except ConfigError as exc:
+            assert match in str(exc), (kw, exc)
+        else:
+            raise AssertionError(f"no ConfigError for {kw}")
+    bal = balance.Balancer(B, "equal")
+    try:
+        next(iter(balance.BatchSampler(_data(), bal)))
+    except ConfigError as exc:
+        assert "attach(model)" in str(exc), exc
+    else:
+        raise AssertionError("a sampler without the weighting was iterated")
+
+
+def case_auto(kind: str, out: str) -> None:
+    """auto shares on two ranks: rank 1 three times slower per sample; at batch 40 rank 0 becomes five times
+    slower. The shares follow, and the replicas still equal the single-process run."""
+    dist.init_process_group("hetccl")
+    r = dist.get_rank()
+    ds = _data(64 * 64)
+    global B
+    B = 64
+    want = _reference(ds, 70)
+    slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 else 1))
+    model = torch.nn.Sequential(slow, *_model())
+    if kind == "ddp":
+        model = DDP(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+    bal = balance.Balancer(B, "auto", check_every=5).attach(model)
+
+    def drift(k: int) -> None:
+        if k == 40 and r == 0:
+            slow.c = 0.0005
+
+    _train(model, bal, ds, 70, slow=drift)
+    _close(_params(model), want, 1e-5, f"auto {kind}")
+    with open(f"{out}.{r}", "w") as f:
+        json.dump({"history": bal.history, "shares": bal.shares}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])

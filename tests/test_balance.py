@@ -1,0 +1,63 @@
+"""hetccl.torch.balance: uneven shares of each global batch, exact averaging, and shares from measured speed,
+under torchrun through the hetccl backend, with CPU islands on shared memory and between "hosts" over TCP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from hetccl.errors import ConfigError  # noqa: E402
+from hetccl.torch import balance  # noqa: E402
+from test_torch_backend import HERE, run_torchrun  # noqa: E402
+
+WORKERS = HERE / "balance_workers.py"
+
+
+def test_solve_minimises_the_slowest_rank() -> None:
+    assert balance.solve([(0.0, 1.0), (0.0, 3.0)], 64) == [48, 16]
+    assert balance.solve([(0.002, 1e-4), (0.002, 3e-4)], 64) == [48, 16]
+    assert balance.solve([(0.0, 1.0), (0.0, 3.0)], 64, [40, 64]) == [40, 24]  # a cap
+    assert balance.solve([(0.0, 1.0), (0.0, 1.0), (0.0, 1.0)], 7, [7, 0, 7]) == [4, 0, 3]  # cap 0: left out
+    with pytest.raises(ConfigError, match="hold fewer"):
+        balance.solve([(0.0, 1.0)] * 2, 64, [10, 10])
+
+
+def test_global_batches_are_one_process_batches() -> None:
+    import torch
+
+    got = list(balance.global_batches(50, 16, seed=3))
+    assert [len(b) for b in got] == [16, 16, 16]
+    assert got[0] == torch.randperm(50, generator=torch.Generator().manual_seed(3)).tolist()[:16]
+    assert [len(b) for b in balance.global_batches(50, 16, 3, drop_last=False)] == [16, 16, 16, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,islands", [(2, None), (3, "cpu-0,cpu-0,cpu-1")])
+def test_uneven_shares_train_as_one_process(n: int, islands: str | None) -> None:
+    """DDP (its reducer; torch's allreduce and fp16 hooks, hetccl's allreduce and bf16 hooks) and FSDP2, with
+    uneven shares and a rank with none: every replica equals one process over the same global batches (1e-5;
+    the compressing hooks within their dtype), where the same shares unweighted are far off. Bad shares, caps
+    and a sampler without the weighting are ConfigErrors."""
+    run_torchrun(n, "exact", script=WORKERS, env={"TEST_HETCCL_ISLAND": islands} if islands else None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,env", [("ddp", {"TEST_HETCCL_ISLAND": "cpu-0,cpu-1"}),
+                                      ("fsdp2", {"TEST_HETCCL_HOST": "a,b"})])
+def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[str, str]) -> None:
+    """Rank 1 three times slower per sample, then from batch 40 rank 0 five times slower (a deliberately
+    slowed rank): calibration gives the fast rank about 3/4 of the batch, the drift moves it back, and the
+    replicas still equal one process."""
+    out = tmp_path / "auto"
+    run_torchrun(2, "auto", kind, str(out), script=WORKERS, env=env)
+    hist = [json.loads((tmp_path / f"auto.{r}").read_text())["history"] for r in range(2)]
+    assert [h[:2] for h in hist[0]] == [h[:2] for h in hist[1]], "every rank took the same decisions"
+    calibrated = [h for h in hist[0] if h[2].startswith("calibrated")]
+    assert calibrated and calibrated[0][0] <= 12, hist[0]
+    assert 40 <= calibrated[0][1][0] <= 54, hist[0]  # ideal 48 of 64
+    assert any(h[0] > 40 and h[2].startswith("drift") for h in hist[0]), hist[0]
+    assert 16 <= hist[0][-1][1][0] <= 30, hist[0]  # ideal 24
