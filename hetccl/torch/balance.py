@@ -225,6 +225,7 @@ class Balancer:
         self._calibrated = False
         self._last_check = 0
         self.caps = [self.cap] * self.world
+        self._before_probe = list(self.shares)
         self._timer: _ComputeTimer | None = None
         self._seen = 0  # forwards timed (the first `warmup` are not recorded)
         self._last = (self.shares[self.rank], global_batch)  # (share, batch total) of the last training forward
@@ -292,6 +293,7 @@ class Balancer:
     def _plan(self, k: int) -> None:
         probe_at = self.warmup + self.calibrate_steps
         if k == probe_at and not self._calibrated:
+            self._before_probe = list(self.shares)
             probe = self._probe()
             if probe != self.shares:
                 self._decided(probe, "calibration: uneven shares to time a second batch size")
@@ -338,6 +340,11 @@ class Balancer:
             # a rank that never timed two sizes (shares of 1, or a cap): its per-sample cost alone
             self._model = [(r[0], r[1]) if r[2] else (0.0, r[3] / r[4] if r[4] else 1.0) for r in rows]
             shares = solve(self._model, self.global_batch, caps)
+            base = self._before_probe
+            if all(b <= c for b, c in zip(base, caps, strict=True)) and \
+                    self._worst(shares) > (1 - self.drift / 3) * self._worst(base):
+                return base, "calibrated: the ranks' steps are within the noise of each other; " + \
+                    self._describe(base)
             return shares, "calibrated: " + self._describe(shares)
         assert self._model is not None
         # each rank's measured step at its current share corrects its cost (the fixed part stays): a drift, or
@@ -355,19 +362,22 @@ class Balancer:
                                "samples")
             self._model[i] = (a, (rt - a) / rb) if rt > a else (0.0, rt / rb)
         shares = solve(self._model, self.global_batch, caps)
-        worst = max(a + c * b for (a, c), b in zip(self._model, shares, strict=True))
-        if shares == self.shares or worst > (1 - self.drift / 3) * max(measured):
+        if shares == self.shares or self._worst(shares) > (1 - self.drift / 3) * max(measured):
             return None, ""  # not worth a change: within the noise of a step
         why = "drift: " + "; ".join(drifted) if drifted else \
             "refined: measured steps " + ", ".join(f"{t * 1e3:.1f}" for t in measured) + " ms"
         return shares, why + "; " + self._describe(shares)
 
+    def _worst(self, shares: list[int]) -> float:
+        """The slowest rank's predicted step under shares."""
+        assert self._model is not None
+        return max(a + c * b for (a, c), b in zip(self._model, shares, strict=True))
+
     def _describe(self, shares: list[int]) -> str:
         assert self._model is not None
         per = ", ".join(f"rank {i} {a * 1e3:.2f} ms + {c * 1e6:.1f} us/sample"
                         for i, (a, c) in enumerate(self._model))
-        worst = max(a + c * b for (a, c), b in zip(self._model, shares, strict=True))
-        return f"{per}; predicted step {worst * 1e3:.1f} ms"
+        return f"{per}; predicted step {self._worst(shares) * 1e3:.1f} ms"
 
     def _decided(self, shares: list[int], reason: str) -> None:
         self.shares = list(shares)

@@ -1,0 +1,106 @@
+"""Balanced data parallelism (hetccl.torch.balance) on this machine's CPUs, side by side in one run.
+
+Runs examples/train_balanced.py under torchrun through hetccl, interleaving the variants repetition by
+repetition, and prints a Markdown table of median samples/s:
+
+- each island alone (one rank, the fast one and the slowed one), their sum;
+- two ranks, one of them `--slow-factor` times slower per sample: DDP as most scripts run it (DistributedSampler,
+  `plain`), the equal split through the balancer, and `auto`;
+- two ranks of equal speed: plain against auto (what auto costs when there is nothing to balance);
+- drift: the rank slows down at step `--drift-at`; the steps until a 5-step window is back to 0.9x the samples/s
+  of auto with that rank slow from the start.
+
+    python benchmarks/balance_cpu.py                       # 2 ranks, slow factor 3, 3 repetitions
+    python benchmarks/balance_cpu.py --reps 5 --steps 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_balanced.py"
+
+
+def run(n: int, extra: list[str], out: Path, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(EXAMPLE),
+           "--json", str(out), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def recovery(steps: list[float], batch: int, at: int, ideal: float, window: int = 5) -> int | None:
+    """Steps after `at` until a window of `window` steps runs at >= 0.9x `ideal` samples/s."""
+    for k in range(at, len(steps) - window + 1):
+        if batch * window / sum(steps[k:k + window]) >= 0.9 * ideal:
+            return k - at
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--slow-factor", type=float, default=3.0)
+    ap.add_argument("--drift-at", type=int, default=40)
+    ap.add_argument("--drift-steps", type=int, default=120)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    f = str(args.slow_factor)
+    common = ["--steps", str(args.steps)]
+    jobs = {
+        "fast island alone": (1, common),
+        "slowed island alone": (1, [*common, "--slow-rank", "0", "--slow-factor", f]),
+        "slowed: plain DDP": (2, [*common, "--shares", "plain", "--slow-rank", "1", "--slow-factor", f]),
+        "slowed: equal split": (2, [*common, "--shares", "equal", "--slow-rank", "1", "--slow-factor", f]),
+        "slowed: auto": (2, [*common, "--shares", "auto", "--slow-rank", "1", "--slow-factor", f]),
+        "equal speeds: plain DDP": (2, [*common, "--shares", "plain"]),
+        "equal speeds: auto": (2, [*common, "--shares", "auto"]),
+        "drift": (2, ["--steps", str(args.drift_steps), "--shares", "auto", "--slow-rank", "1", "--slow-factor", f,
+                      "--drift-at", str(args.drift_at)]),
+    }
+    got: dict[str, list[dict]] = {k: [] for k in jobs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for name, (n, extra) in jobs.items():
+                res = run(n, extra, Path(tmp) / f"{rep}.json", args.timeout)
+                got[name].append(res)
+                print(f"# rep {rep} {name}: {res['samples_per_s']:.0f} samples/s, shares "
+                      f"{res['shares'][-1]['shares']}", file=sys.stderr)
+    med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in got.items()}
+    batch = got["slowed: auto"][0]["args"]["global_batch"]
+    print(f"# {datetime.date.today()}, {os.cpu_count()} CPUs; python benchmarks/balance_cpu.py "
+          f"{' '.join(sys.argv[1:])}".rstrip())
+    print(f"# examples/train_balanced.py, global batch {batch}, medians of {args.reps} interleaved runs\n")
+    print("| run | samples/s | against |")
+    print("|---|---|---|")
+    solo = med["fast island alone"] + med["slowed island alone"]
+    print(f"| fast island alone | {med['fast island alone']:.0f} | |")
+    print(f"| slowed island alone (x{f}) | {med['slowed island alone']:.0f} | |")
+    print(f"| sum of the two | {solo:.0f} | |")
+    eq = med["slowed: equal split"]
+    for k in ("slowed: plain DDP", "slowed: equal split", "slowed: auto"):
+        print(f"| {k} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum |")
+    pl = med["equal speeds: plain DDP"]
+    for k in ("equal speeds: plain DDP", "equal speeds: auto"):
+        print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain |")
+    ideal = med["slowed: auto"]
+    rec = [recovery(r["step_seconds"], batch, args.drift_at, ideal) for r in got["drift"]]
+    shares = [r["shares"][-1]["shares"] for r in got["drift"]]
+    print(f"\ndrift: rank 1 slowed x{f} from step {args.drift_at}; steps until 5 steps run at >= 0.9x the "
+          f"slowed auto's {ideal:.0f} samples/s: {rec}; final shares {shares}")
+
+
+if __name__ == "__main__":
+    main()
