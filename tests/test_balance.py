@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("torch")
 
+from test_torch_backend import HERE, run_torchrun  # noqa: E402
+
 from hetccl.errors import ConfigError  # noqa: E402
 from hetccl.torch import balance  # noqa: E402
-from test_torch_backend import HERE, run_torchrun  # noqa: E402
 
 WORKERS = HERE / "balance_workers.py"
 
@@ -61,3 +62,44 @@ def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[
     assert 40 <= calibrated[0][1][0] <= 54, hist[0]  # ideal 48 of 64
     assert any(h[0] > 40 and h[2].startswith("drift") for h in hist[0]), hist[0]
     assert 16 <= hist[0][-1][1][0] <= 30, hist[0]  # ideal 24
+
+
+@pytest.mark.timeout(120)
+def test_example_matches_its_reference(tmp_path: Path) -> None:
+    """examples/train_balanced.py, auto shares with a slowed rank, ends where its one-process --reference ends."""
+    import subprocess
+    import sys
+
+    from test_torch_backend import ROOT, job_env
+
+    small = ["--global-batch", "512", "--steps", "16", "--skip", "0", "--width", "64", "--depth", "2"]
+    example = ROOT / "examples" / "train_balanced.py"
+    run_torchrun(2, *small, "--shares", "auto", "--slow-rank", "1", "--slow-factor", "3", "--json",
+                 str(tmp_path / "auto.json"), script=example)
+    subprocess.run([sys.executable, str(example), *small, "--reference", "--json", str(tmp_path / "ref.json")],
+                   env=job_env(), cwd=ROOT, check=True, capture_output=True, timeout=60)
+    got, want = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("auto", "ref"))
+    assert len(got["step_seconds"]) == 16 and got["samples_per_s"] > 0
+    assert got["shares"][0]["shares"] == [256, 256] and len(got["shares"]) >= 2, got["shares"]
+    for key in ("final_loss", "param_abs_sum"):
+        assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got[key], want[key])
+
+
+@pytest.mark.timeout(120)
+def test_lightning_trainer_with_uneven_shares(tmp_path: Path) -> None:
+    """A Lightning Trainer (its own launcher, DDPStrategy on hetccl) with the balance callback and sampler: the
+    replicas equal one process over the same global batches."""
+    pytest.importorskip("lightning")
+    import subprocess
+    import sys
+
+    from test_torch_backend import ROOT, job_env
+
+    out = tmp_path / "lt"
+    proc = subprocess.run([sys.executable, str(HERE / "lightning_balanced.py"), "12,52", str(out)], env=job_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"lt.{r}").read_text())
+        assert res["backend"] == "hetccl" and res["shares"] == [12, 52], res
+        assert res["err"] <= 1e-5, res

@@ -492,3 +492,40 @@ class BatchSampler(Sampler[list[int]]):
             return tree_map_only(torch.Tensor, lambda t: t[:0], inner([data[0]]))
 
         return collate
+
+
+def lightning_callback(global_batch: int, shares: str | Sequence[int] = "auto", **kwargs: Any) -> Any:
+    """A PyTorch Lightning Callback that makes a Balancer once the process group is up (`callback.balancer`,
+    for the BatchSampler of `train_dataloader`) and attaches it to the strategy's wrapped module, whose forward
+    is `training_step`: the loss it returns carries the weighting, and its time the compute. Pass
+    `use_distributed_sampler=False` to the Trainer, so that Lightning leaves the batch sampler alone:
+
+        cb = balance.lightning_callback(256)
+        class Model(pl.LightningModule):
+            def train_dataloader(self):
+                s = balance.BatchSampler(ds, cb.balancer, seed=0)
+                return DataLoader(ds, batch_sampler=s, collate_fn=s.collate())
+        pl.Trainer(callbacks=[cb], use_distributed_sampler=False, strategy="ddp", ...).fit(Model())
+    """
+    try:
+        import lightning.pytorch as pl
+    except ImportError:  # the standalone package
+        import pytorch_lightning as pl
+
+    class BalanceCallback(pl.Callback):
+        def __init__(self) -> None:
+            self.balancer: Balancer | None = None
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if stage == "fit" and self.balancer is None:
+                self.balancer = Balancer(global_batch, shares, **kwargs)
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            assert self.balancer is not None
+            model = trainer.strategy.model  # DDP(wrapper of the LightningModule) once the strategy set it up
+            if model is None or model is pl_module:
+                raise ConfigError("balance: the Lightning strategy has not wrapped the module (no DDP); use "
+                                  "strategy='ddp' (or DDPStrategy) with the balance callback")
+            self.balancer.attach(model)
+
+    return BalanceCallback()
