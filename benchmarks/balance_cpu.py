@@ -12,6 +12,9 @@ repetition, and prints a Markdown table of median samples/s:
 
     python benchmarks/balance_cpu.py                       # 2 ranks, slow factor 3, 3 repetitions
     python benchmarks/balance_cpu.py --reps 5 --steps 80
+    python benchmarks/balance_cpu.py --cpus 0-11/12-15 --slow-factor 1    # islands of 12 and 4 cores
+
+With --cpus every two-rank job runs pinned, so its "equal speeds" rows are the islands' own speeds.
 """
 
 from __future__ import annotations
@@ -56,19 +59,24 @@ def main() -> None:
     ap.add_argument("--drift-at", type=int, default=40)
     ap.add_argument("--drift-steps", type=int, default=120)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--cpus", default=None, help="two islands of CPUs pinned apart, e.g. 0-11/12-15 (the "
+                    "slowed island is the second; alone, each runs on its own list)")
     args = ap.parse_args()
     f = str(args.slow_factor)
     common = ["--steps", str(args.steps)]
+    pinned = ["--cpus", args.cpus] if args.cpus else []
+    first, second = (["--cpus", c] for c in args.cpus.split("/")) if args.cpus else ([], [])
     jobs = {
-        "fast island alone": (1, common),
-        "slowed island alone": (1, [*common, "--slow-rank", "0", "--slow-factor", f]),
-        "slowed: plain DDP": (2, [*common, "--shares", "plain", "--slow-rank", "1", "--slow-factor", f]),
-        "slowed: equal split": (2, [*common, "--shares", "equal", "--slow-rank", "1", "--slow-factor", f]),
-        "slowed: auto": (2, [*common, "--shares", "auto", "--slow-rank", "1", "--slow-factor", f]),
-        "equal speeds: plain DDP": (2, [*common, "--shares", "plain"]),
-        "equal speeds: auto": (2, [*common, "--shares", "auto"]),
-        "drift": (2, ["--steps", str(args.drift_steps), "--shares", "auto", "--slow-rank", "1", "--slow-factor", f,
-                      "--drift-at", str(args.drift_at)]),
+        "fast island alone": (1, [*common, *first]),
+        "slowed island alone": (1, [*common, *second, "--slow-rank", "0", "--slow-factor", f]),
+        "slowed: plain DDP": (2, [*common, *pinned, "--shares", "plain", "--slow-rank", "1", "--slow-factor", f]),
+        "slowed: equal split": (2, [*common, *pinned, "--shares", "equal", "--slow-rank", "1", "--slow-factor", f]),
+        "slowed: auto": (2, [*common, *pinned, "--shares", "auto", "--slow-rank", "1", "--slow-factor", f]),
+        "equal speeds: plain DDP": (2, [*common, *pinned, "--shares", "plain"]),
+        "equal speeds: equal split": (2, [*common, *pinned, "--shares", "equal"]),
+        "equal speeds: auto": (2, [*common, *pinned, "--shares", "auto"]),
+        "drift": (2, [*pinned, "--steps", str(args.drift_steps), "--shares", "auto", "--slow-rank", "1",
+                      "--slow-factor", f, "--drift-at", str(args.drift_at)]),
     }
     got: dict[str, list[dict]] = {k: [] for k in jobs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +101,7 @@ def main() -> None:
     for k in ("slowed: plain DDP", "slowed: equal split", "slowed: auto"):
         print(f"| {k} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum |")
     pl = med["equal speeds: plain DDP"]
-    for k in ("equal speeds: plain DDP", "equal speeds: auto"):
+    for k in ("equal speeds: plain DDP", "equal speeds: equal split", "equal speeds: auto"):
         print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain |")
     ideal = med["slowed: auto"]
     rec = [recovery(r["step_seconds"], batch, args.drift_at, ideal) for r in got["drift"]]

@@ -100,6 +100,16 @@ class Slowed(nn.Module):
         return _Mark.apply(y, self.box, True)
 
 
+def pin(cpus: str) -> None:
+    """Run this process on `cpus` ("0-3,8"), with a thread per CPU."""
+    chosen: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        chosen.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, chosen)
+    torch.set_num_threads(len(chosen))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--global-batch", type=int, default=4096)
@@ -111,6 +121,8 @@ def main() -> None:
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-factor", type=float, default=1.0)
     ap.add_argument("--drift-at", type=int, default=-1, help="the step from which --slow-rank is slowed (default 0)")
+    ap.add_argument("--cpus", default=None, help="CPUs per rank, '/'-separated lists, e.g. 0-11/12-15: rank i "
+                    "runs on list i with as many threads (islands of CPUs pinned apart)")
     ap.add_argument("--backend", default="hetccl")
     ap.add_argument("--reference", action="store_true", help="one process over the same global batches")
     ap.add_argument("--json", default=None)
@@ -118,6 +130,8 @@ def main() -> None:
     args = ap.parse_args()
 
     B = args.global_batch  # noqa: N806
+    if args.cpus:
+        pin(args.cpus.split("/")[int(os.environ.get("RANK", "0"))])
     ds = Synthetic(B * (args.steps + 2), args.width)
     model: nn.Module = mlp(args.width, args.depth)
     if args.reference:

@@ -188,7 +188,7 @@ class Balancer:
     group: the process group (default WORLD); without torch.distributed initialised, one rank."""
 
     def __init__(self, global_batch: int, shares: str | Sequence[int] = "auto", *, group: Any = None,
-                 cap: int | None = None, warmup: int = 1, calibrate_steps: int = 4, check_every: int = 10,
+                 cap: int | None = None, warmup: int = 3, calibrate_steps: int = 4, check_every: int = 10,
                  drift: float = 0.15):
         self.group = group
         on = dist.is_available() and dist.is_initialized()
@@ -348,21 +348,24 @@ class Balancer:
             return shares, "calibrated: " + self._describe(shares)
         assert self._model is not None
         # each rank's measured step at its current share corrects its cost (the fixed part stays): a drift, or
-        # the calibration's error, which the next choice then moves toward equal steps
+        # the calibration's error. A change of more than half is taken whole (a rank really slowed down); a
+        # smaller one half-way, so that the step-to-step noise of a busy machine does not walk the shares.
         drifted, measured = [], []
         for i, (_, _, _, rt, rb, rn, _) in enumerate(rows):
             a, c = self._model[i]
             pred = a + c * rb
-            if rn < 3 or rb < 1:
-                measured.append(a + c * self.shares[i])
+            if rn < 3 or rb < 1 or pred <= 0:
+                measured.append(pred)
                 continue
             measured.append(rt)
-            if pred > 0 and abs(rt / pred - 1) > self.drift:
+            if abs(rt / pred - 1) > self.drift:
                 drifted.append(f"rank {i}'s step went from {pred * 1e3:.1f} to {rt * 1e3:.1f} ms at {int(rb)} "
                                "samples")
-            self._model[i] = (a, (rt - a) / rb) if rt > a else (0.0, rt / rb)
+            seen = (a, (rt - a) / rb) if rt > a else (0.0, rt / rb)
+            keep = 0.0 if abs(rt / pred - 1) > 0.5 else 0.5
+            self._model[i] = (keep * a + (1 - keep) * seen[0], keep * c + (1 - keep) * seen[1])
         shares = solve(self._model, self.global_batch, caps)
-        if shares == self.shares or self._worst(shares) > (1 - self.drift / 3) * max(measured):
+        if shares == self.shares or self._worst(shares) > (1 - self.drift / 3) * self._worst(self.shares):
             return None, ""  # not worth a change: within the noise of a step
         why = "drift: " + "; ".join(drifted) if drifted else \
             "refined: measured steps " + ", ".join(f"{t * 1e3:.1f}" for t in measured) + " ms"
