@@ -47,8 +47,8 @@ from hetccl.errors import ConfigError
 log = logging.getLogger("hetccl.balance")
 
 # the per-rank statistics that auto mode gathers at each decision: a, c, ready, recent time, recent share,
-# recent count, cap
-_STATS = 7
+# recent count, cap, noise (the standard error of its medians, relative)
+_STATS = 8
 
 
 def solve(costs: Sequence[tuple[float, float]], total: int, caps: Sequence[int] | None = None) -> list[int]:
@@ -83,6 +83,21 @@ def _scaled(shares: Sequence[int], total: int) -> list[int]:
     for i in sorted(range(len(shares)), key=lambda i: out[i] - exact[i])[:total - sum(out)]:
         out[i] += 1
     return out
+
+
+def _noise(records: Sequence[tuple[int, float]]) -> float:
+    """The relative standard error of the median time at each batch size (the largest): 1.25 sigma / sqrt(n),
+    sigma from the median absolute deviation. What a measured difference between steps must exceed."""
+    by_size: dict[int, list[float]] = {}
+    for b, t in records:
+        by_size.setdefault(b, []).append(t)
+    worst = 0.0
+    for ts in by_size.values():
+        med = statistics.median(ts)
+        if len(ts) >= 2 and med > 0:
+            mad = statistics.median(abs(t - med) for t in ts)
+            worst = max(worst, 1.25 * 1.4826 * mad / med / len(ts) ** 0.5)
+    return worst
 
 
 def _fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
@@ -318,8 +333,9 @@ class Balancer:
         recent = [(b, t) for b, t in self._recent if self._recent and b == self._recent[-1][0]]
         rt = statistics.median(t for _, t in recent) if recent else 0.0
         rb = recent[-1][0] if recent else 0
+        noise = _noise(recent if self._calibrated else list(self._records))
         row = [fit[0] if fit else 0.0, fit[1] if fit else 0.0, 1.0 if fit else 0.0, rt, float(rb),
-               float(len(recent)), float(self.cap)]
+               float(len(recent)), float(self.cap), noise]
         stats = self._gather(row)
         new, reason = self._choose(k, stats.tolist()) if self.rank == 0 else (None, "")
         got = self._broadcast((new or self.shares) + [0 if new is None else 1])
@@ -333,6 +349,9 @@ class Balancer:
     def _choose(self, k: int, rows: list[list[float]]) -> tuple[list[int] | None, str]:
         """Rank 0: the new shares (None: keep them) and why."""
         caps = [int(r[6]) for r in rows]
+        # a change must promise a step shorter by more than the noise of the timings (twice their largest
+        # standard error), and by drift/3 at least
+        gain = max(self.drift / 3, 2 * max(r[7] for r in rows))
         if not self._calibrated:
             late = k > 2 * (self.warmup + self.calibrate_steps) + 4 * self.check_every
             if not late and not all(r[2] for r in rows if r[6] >= 1):
@@ -342,7 +361,7 @@ class Balancer:
             shares = solve(self._model, self.global_batch, caps)
             base = self._before_probe
             if all(b <= c for b, c in zip(base, caps, strict=True)) and \
-                    self._worst(shares) > (1 - self.drift / 3) * self._worst(base):
+                    self._worst(shares) > (1 - gain) * self._worst(base):
                 return base, "calibrated: the ranks' steps are within the noise of each other; " + \
                     self._describe(base)
             return shares, "calibrated: " + self._describe(shares)
@@ -351,7 +370,7 @@ class Balancer:
         # the calibration's error. A change of more than half is taken whole (a rank really slowed down); a
         # smaller one half-way, so that the step-to-step noise of a busy machine does not walk the shares.
         drifted, measured = [], []
-        for i, (_, _, _, rt, rb, rn, _) in enumerate(rows):
+        for i, (_, _, _, rt, rb, rn, _, _) in enumerate(rows):
             a, c = self._model[i]
             pred = a + c * rb
             if rn < 3 or rb < 1 or pred <= 0:
@@ -365,7 +384,7 @@ class Balancer:
             keep = 0.0 if abs(rt / pred - 1) > 0.5 else 0.5
             self._model[i] = (keep * a + (1 - keep) * seen[0], keep * c + (1 - keep) * seen[1])
         shares = solve(self._model, self.global_batch, caps)
-        if shares == self.shares or self._worst(shares) > (1 - self.drift / 3) * self._worst(self.shares):
+        if shares == self.shares or self._worst(shares) > (1 - gain) * self._worst(self.shares):
             return None, ""  # not worth a change: within the noise of a step
         why = "drift: " + "; ".join(drifted) if drifted else \
             "refined: measured steps " + ", ".join(f"{t * 1e3:.1f}" for t in measured) + " ms"
