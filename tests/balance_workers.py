@@ -147,6 +147,7 @@ def _errors(n: int) -> None:
     """Bad shares, caps and use each raise a ConfigError that says what to do, on every rank."""
     for kw, match in [({"global_batch": B, "shares": [B] + [1] * (n - 1)}, "sum to"),
                       ({"global_batch": B, "shares": [B]}, f"{n} non-negative integers"),
+                      ({"global_batch": B, "shares": ["x"] * n}, f"{n} non-negative integers"),
                       ({"global_batch": n - 1, "shares": "equal"}, "cannot give each"),
                       ({"global_batch": n - 1, "shares": "auto"}, "cannot give each"),
                       ({"global_batch": B, "shares": "fast"}, "'auto', 'equal'"),

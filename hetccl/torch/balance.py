@@ -250,7 +250,10 @@ class Balancer:
 
     # ---- checks ------------------------------------------------------------------------------------------
     def _check_list(self, shares: Sequence[int]) -> list[int]:
-        out = [int(s) for s in shares]
+        try:
+            out = [int(s) for s in shares]
+        except (TypeError, ValueError):
+            out = []
         if len(out) != self.world or any(s < 0 or s != v for s, v in zip(out, shares, strict=True)):
             raise ConfigError(f"balance: shares must be {self.world} non-negative integers, one per rank "
                               f"(got {list(shares)})")
@@ -282,7 +285,7 @@ class Balancer:
         if self.world == 1:
             return mine.reshape(1, -1).cpu()
         out = torch.empty(self.world * len(row), dtype=torch.float64, device=mine.device)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine, group=self.group)
         return out.reshape(self.world, -1).cpu()
 
     def _broadcast(self, shares: list[int]) -> list[int]:
