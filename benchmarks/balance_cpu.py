@@ -13,6 +13,7 @@ repetition, and prints a Markdown table of median samples/s:
     python benchmarks/balance_cpu.py                       # 2 ranks, slow factor 3, 3 repetitions
     python benchmarks/balance_cpu.py --reps 5 --steps 80
     python benchmarks/balance_cpu.py --cpus 0-11/12-15 --slow-factor 1    # islands of 12 and 4 cores
+    python benchmarks/balance_cpu.py --gpu --cpus 0-3/4-15    # a GPU island and a 12-core CPU island
 
 With --cpus every two-rank job runs pinned, so its "equal speeds" rows are the islands' own speeds.
 """
@@ -61,12 +62,21 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--cpus", default=None, help="two islands of CPUs pinned apart, e.g. 0-11/12-15 (the "
                     "slowed island is the second; alone, each runs on its own list)")
+    ap.add_argument("--gpu", action="store_true", help="rank 0 on the GPU, rank 1 on the CPU (the GPU machine): "
+                    "the islands' own speeds, no slowed rank")
     args = ap.parse_args()
     f = str(args.slow_factor)
     common = ["--steps", str(args.steps)]
     pinned = ["--cpus", args.cpus] if args.cpus else []
     first, second = (["--cpus", c] for c in args.cpus.split("/")) if args.cpus else ([], [])
+    gpu = ["--gpu-ranks", "0"]
     jobs = {
+        "fast island alone": (1, [*common, *gpu, *first]),
+        "slowed island alone": (1, [*common, *second]),
+        "slowed: plain DDP": (2, [*common, *gpu, *pinned, "--shares", "plain"]),
+        "slowed: equal split": (2, [*common, *gpu, *pinned, "--shares", "equal"]),
+        "slowed: auto": (2, [*common, *gpu, *pinned, "--shares", "auto"]),
+    } if args.gpu else {
         "fast island alone": (1, [*common, *first]),
         "slowed island alone": (1, [*common, *second, "--slow-rank", "0", "--slow-factor", f]),
         "slowed: plain DDP": (2, [*common, *pinned, "--shares", "plain", "--slow-rank", "1", "--slow-factor", f]),
@@ -94,12 +104,16 @@ def main() -> None:
     print("| run | samples/s | against |")
     print("|---|---|---|")
     solo = med["fast island alone"] + med["slowed island alone"]
-    print(f"| fast island alone | {med['fast island alone']:.0f} | |")
-    print(f"| slowed island alone (x{f}) | {med['slowed island alone']:.0f} | |")
+    print(f"| {'GPU island alone' if args.gpu else 'fast island alone'} | {med['fast island alone']:.0f} | |")
+    print(f"| {'CPU island alone' if args.gpu else f'slowed island alone (x{f})'} | "
+          f"{med['slowed island alone']:.0f} | |")
     print(f"| sum of the two | {solo:.0f} | |")
     eq = med["slowed: equal split"]
     for k in ("slowed: plain DDP", "slowed: equal split", "slowed: auto"):
-        print(f"| {k} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum |")
+        shown = k.replace("slowed: ", "GPU + CPU: ") if args.gpu else k
+        print(f"| {shown} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum |")
+    if args.gpu:
+        return
     pl = med["equal speeds: plain DDP"]
     for k in ("equal speeds: plain DDP", "equal speeds: equal split", "equal speeds: auto"):
         print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain |")

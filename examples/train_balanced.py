@@ -7,6 +7,7 @@ cost), so that islands of different speed can be shown on one machine.
     torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --shares auto --slow-rank 1 --slow-factor 3
     torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --shares equal --slow-rank 1 --slow-factor 3
     torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --shares 24,8 --global-batch 32
+    torchrun --standalone --nproc-per-node 2 examples/train_balanced.py --gpu-ranks 0   # a GPU and a CPU island
     python examples/train_balanced.py --reference        # one process over the same global batches
 
 `--shares plain` is DDP as most scripts use it (DistributedSampler, equal batches, no hetccl.torch.balance).
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--drift-at", type=int, default=-1, help="the step from which --slow-rank is slowed (default 0)")
     ap.add_argument("--cpus", default=None, help="CPUs per rank, '/'-separated lists, e.g. 0-11/12-15: rank i "
                     "runs on list i with as many threads (islands of CPUs pinned apart)")
+    ap.add_argument("--gpu-ranks", default=None, help="ranks on the GPU (cuda:LOCAL_RANK %% count, island "
+                    "nvidia-<rank>), e.g. 0; the others on the CPU (island cpu)")
     ap.add_argument("--backend", default="hetccl")
     ap.add_argument("--reference", action="store_true", help="one process over the same global batches")
     ap.add_argument("--json", default=None)
@@ -133,17 +136,28 @@ def main() -> None:
     if args.cpus:
         pin(args.cpus.split("/")[int(os.environ.get("RANK", "0"))])
     ds = Synthetic(B * (args.steps + 2), args.width)
+    device = torch.device("cpu")
     model: nn.Module = mlp(args.width, args.depth)
     if args.reference:
         rank, world, history = 0, 1, []
         loader = (ds.__getitems__(idx) for idx in balance.global_batches(len(ds), B, seed=0))
     else:
+        rank = int(os.environ.get("RANK", "0"))
+        if args.gpu_ranks is not None:  # a GPU island and CPU islands: each rank's device and island label
+            on_gpu = rank in {int(r) for r in args.gpu_ranks.split(",")}
+            if on_gpu and not torch.cuda.is_available():
+                raise SystemExit(f"--gpu-ranks {args.gpu_ranks}: rank {rank} was to run on a GPU, and this "
+                                 "machine has no CUDA GPU")
+            if on_gpu:
+                device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+                torch.cuda.set_device(device)
+            os.environ.setdefault("HETCCL_ISLAND", f"nvidia-{rank}" if on_gpu else "cpu")
         import hetccl.torch  # noqa: F401  (registers the backend)
 
         dist.init_process_group(args.backend)
         rank, world = dist.get_rank(), dist.get_world_size()
         slowed = Slowed(model, args.slow_factor if rank == args.slow_rank and args.drift_at < 0 else 1.0)
-        model = DDP(slowed)
+        model = DDP(slowed.to(device))
         if args.shares == "plain":
             sampler = DistributedSampler(ds, shuffle=True, seed=0, drop_last=True)
             loader = DataLoader(ds, batch_size=B // world, sampler=sampler, drop_last=True, collate_fn=as_is)
@@ -157,6 +171,9 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     t0, loss_v, marks = 0.0, 0.0, []
     for step, (x, y) in zip(range(args.steps), loader, strict=False):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's time is the device's, not the launch's
         marks.append(time.perf_counter())
         if step == args.skip:
             t0 = marks[-1]
@@ -181,6 +198,10 @@ def main() -> None:
         history = [{"step": s, "shares": sh, "reason": why} for s, sh, why in bal.history]
     elif not args.reference:
         history = [{"step": 0, "shares": [B // world] * world, "reason": "DistributedSampler"}]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        marks[-1] = time.perf_counter()
+        wall = marks[-1] - t0
     checksum = sum(float(p.detach().double().abs().sum()) for p in model.parameters())
     if rank == 0:
         out = {"samples_per_s": samples / wall, "final_loss": loss_v, "param_abs_sum": checksum,

@@ -341,3 +341,22 @@ def test_torch_distributed_suite_on_cuda(tmp_path, islands):
     print(f"torch's CUDA tests, {islands} island(s): {len(tests)} run: {counts}")
     judge(tests, f"CUDA tests, {islands} island(s): {counts}")
     assert counts.get("passed", 0) > 0, counts
+
+
+@needs_1
+@pytest.mark.timeout(600)
+def test_balanced_gpu_and_cpu_islands_match_one_process(tmp_path):
+    """A GPU island (rank 0) and a CPU island (rank 1) in one DDP job with auto shares (hetccl.torch.balance):
+    the GPU rank is given most of each global batch, and the replicas end where one process over the same global
+    batches ends (examples/train_balanced.py and its --reference, the CPU; 1e-4 for the two devices' rounding)."""
+    root = Path(__file__).resolve().parent.parent
+    example = root / "examples" / "train_balanced.py"
+    small = ["--global-batch", "2048", "--steps", "30", "--skip", "0", "--width", "256", "--depth", "4"]
+    run_torchrun(2, *small, "--gpu-ranks", "0", "--shares", "auto", "--json", str(tmp_path / "auto.json"),
+                 script=example, env=GPU_ENV, timeout=280)
+    subprocess.run([sys.executable, str(example), *small, "--reference", "--json", str(tmp_path / "ref.json")],
+                   env=job_env(), cwd=root, check=True, capture_output=True, timeout=120)
+    got, want = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("auto", "ref"))
+    assert got["shares"][-1]["shares"][0] > 1024, got["shares"]
+    for key in ("final_loss", "param_abs_sum"):
+        assert abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (key, got[key], want[key])
