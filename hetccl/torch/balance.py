@@ -499,6 +499,7 @@ class BatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         bal = self.balancer
         bal.require_weighting()
+        bal._issued.clear()  # batches handed out by an iterator abandoned mid-epoch (a break, prefetching) never ran
         for batch in self.global_batches():
             shares = bal.next_shares(len(batch))
             lo = sum(shares[:bal.rank])
