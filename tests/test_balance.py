@@ -54,6 +54,8 @@ def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[
     slowed rank): calibration gives the fast rank about 3/4 of the batch, the drift moves it back, and the
     replicas still equal one process."""
     out = tmp_path / "auto"
+    if kind == "ddp":  # the decisions in the trace too
+        env = {**env, "HETCCL_TRACE": str(tmp_path / "trace.json")}
     run_torchrun(2, "auto", kind, str(out), script=WORKERS, env=env)
     hist = [json.loads((tmp_path / f"auto.{r}").read_text())["history"] for r in range(2)]
     assert [h[:2] for h in hist[0]] == [h[:2] for h in hist[1]], "every rank took the same decisions"
@@ -62,6 +64,12 @@ def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[
     assert 40 <= calibrated[0][1][0] <= 54, hist[0]  # ideal 48 of 64
     assert any(h[0] > 40 and h[2].startswith("drift") for h in hist[0]), hist[0]
     assert 16 <= hist[0][-1][1][0] <= 30, hist[0]  # ideal 24
+    if kind == "ddp":
+        for r in range(2):
+            evs = json.loads((tmp_path / f"trace.rank{r}.json").read_text())["traceEvents"]
+            marks = [e["args"] for e in evs if e.get("cat") == "balance" and e["name"] == "shares"]
+            assert [m["shares"] for m in marks] == [h[1] for h in hist[r]], (marks, hist[r])
+            assert r or any(m["reason"].startswith("calibrated") for m in marks), marks
 
 
 @pytest.mark.timeout(120)
