@@ -49,6 +49,8 @@ log = logging.getLogger("hetccl.balance")
 # the per-rank statistics that auto mode gathers at each decision: a, c, ready, recent time, recent share,
 # recent count, cap, noise (the standard error of its medians, relative)
 _STATS = 8
+# what a decision of rank 0 is, as its reason starts (broadcast with the shares: every rank logs the same kind)
+_KINDS = ("calibrated", "drift", "refined")
 
 
 def solve(costs: Sequence[tuple[float, float]], total: int, caps: Sequence[int] | None = None) -> list[int]:
@@ -341,13 +343,14 @@ class Balancer:
                float(len(recent)), float(self.cap), noise]
         stats = self._gather(row)
         new, reason = self._choose(k, stats.tolist()) if self.rank == 0 else (None, "")
-        got = self._broadcast((new or self.shares) + [0 if new is None else 1])
+        kind = 0 if new is None else 1 + _KINDS.index(reason.split(":")[0])
+        got = self._broadcast((new or self.shares) + [kind])
         self._last_check = k
         if got[-1]:
             self._calibrated = True
             self._recent.clear()
             if got[:-1] != self.shares:
-                self._decided(got[:-1], reason or "chosen by rank 0")
+                self._decided(got[:-1], reason or f"{_KINDS[got[-1] - 1]}: chosen by rank 0")
 
     def _choose(self, k: int, rows: list[list[float]]) -> tuple[list[int] | None, str]:
         """Rank 0: the new shares (None: keep them) and why."""
