@@ -11,7 +11,7 @@ cost), so that islands of different speed can be shown on one machine.
     python examples/train_balanced.py --reference        # one process over the same global batches
 
 `--shares plain` is DDP as most scripts use it (DistributedSampler, equal batches, no hetccl.torch.balance).
-`--json PATH` writes samples/s (after the first `--skip` steps, 20), each step's time, the shares over time and
+`--json PATH` writes samples/s (after the first `--skip` steps, 25), each step's time, the shares over time and
 the final loss (rank 0). `--drift-at K` slows `--slow-rank` only from step K (a rank that slows down mid-run).
 """
 
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--backend", default="hetccl")
     ap.add_argument("--reference", action="store_true", help="one process over the same global batches")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", type=int, default=20, help="steps left out of samples/s (warm-up, calibration)")
+    ap.add_argument("--skip", type=int, default=25, help="steps left out of samples/s (warm-up, calibration)")
     args = ap.parse_args()
 
     B = args.global_batch  # noqa: N806

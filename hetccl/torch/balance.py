@@ -205,7 +205,7 @@ class Balancer:
     group: the process group (default WORLD); without torch.distributed initialised, one rank."""
 
     def __init__(self, global_batch: int, shares: str | Sequence[int] = "auto", *, group: Any = None,
-                 cap: int | None = None, warmup: int = 3, calibrate_steps: int = 4, check_every: int = 10,
+                 cap: int | None = None, warmup: int = 3, calibrate_steps: int = 8, check_every: int = 10,
                  drift: float = 0.15):
         self.group = group
         on = dist.is_available() and dist.is_initialized()
@@ -356,8 +356,9 @@ class Balancer:
         """Rank 0: the new shares (None: keep them) and why."""
         caps = [int(r[6]) for r in rows]
         # a change must promise a step shorter by more than the noise of the timings (twice their largest
-        # standard error), and by drift/3 at least
-        gain = max(self.drift / 3, 2 * max(r[7] for r in rows))
+        # standard error), by drift/3 at least; a gain of 2 drift is always taken (a few noisy steps must not
+        # hide a rank several times slower)
+        gain = min(2 * self.drift, max(self.drift / 3, 2 * max(r[7] for r in rows)))
         if not self._calibrated:
             late = k > 2 * (self.warmup + self.calibrate_steps) + 4 * self.check_every
             if not late and not all(r[2] for r in rows if r[6] >= 1):
