@@ -49,11 +49,11 @@ class SlowPerSample(torch.nn.Module):
         return x
 
 
-def _reference(ds: TensorDataset, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """One process over the same global batches."""
+def _reference(ds: TensorDataset, steps: int, batch: int = B) -> list[torch.Tensor]:
+    """One process over the same global batches (seed 0, as _train's sampler)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for _, idx in zip(range(steps), balance.global_batches(len(ds), B, seed), strict=False):
+    for _, idx in zip(range(steps), balance.global_batches(len(ds), batch, 0), strict=False):
         x, y = ds[idx]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -78,6 +78,16 @@ def _train(model: torch.nn.Module, bal: balance.Balancer, ds: TensorDataset, ste
     return losses
 
 
+def _shard(model: torch.nn.Sequential) -> None:
+    """fully_shard each Linear layer, then the root (a recipe's layout)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+
+
 def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float, what: str) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         err = ((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
@@ -97,7 +107,6 @@ def case_exact() -> None:
     """DDP (default reducer, torch's and hetccl's comm hooks) and FSDP2, shares uneven and with a 0: every
     replica equals the single-process run over the same global batches."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.fsdp import fully_shard
 
     from hetccl.torch import hooks
 
@@ -121,10 +130,7 @@ def case_exact() -> None:
             if hook is not None:
                 model.register_comm_hook(None, hook)
         else:
-            for m in model:
-                if isinstance(m, torch.nn.Linear):
-                    fully_shard(m)
-            fully_shard(model)
+            _shard(model)
         bal = balance.Balancer(B, shares).attach(model)
         losses = _train(model, bal, ds, STEPS)
         _close(_params(model), want, tol, what)
@@ -173,22 +179,16 @@ def case_auto(kind: str, out: str) -> None:
     slower. The shares follow, and the replicas still equal the single-process run."""
     dist.init_process_group("hetccl")
     r = dist.get_rank()
-    ds = _data(64 * 64)
-    global B
-    B = 64
-    want = _reference(ds, 70)
+    batch = 64
+    ds = _data(batch * 64)
+    want = _reference(ds, 70, batch)
     slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 else 1))
     model = torch.nn.Sequential(slow, *_model())
     if kind == "ddp":
         model = DDP(model)
     else:
-        from torch.distributed.fsdp import fully_shard
-
-        for m in model:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m)
-        fully_shard(model)
-    bal = balance.Balancer(B, "auto", check_every=5).attach(model)
+        _shard(model)
+    bal = balance.Balancer(batch, "auto", check_every=5).attach(model)
 
     def drift(k: int) -> None:
         if k == 40 and r == 0:

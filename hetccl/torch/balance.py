@@ -47,8 +47,7 @@ from hetccl.errors import ConfigError
 log = logging.getLogger("hetccl.balance")
 
 # the per-rank statistics that auto mode gathers at each decision: a, c, ready, recent time, recent share,
-# recent count, cap, noise (the standard error of its medians, relative)
-_STATS = 8
+# recent count, noise (the standard error of its medians, relative)
 # what a decision of rank 0 is, as its reason starts (broadcast with the shares: every rank logs the same kind)
 _KINDS = ("calibrated", "drift", "refined")
 
@@ -87,14 +86,24 @@ def _scaled(shares: Sequence[int], total: int) -> list[int]:
     return out
 
 
-def _noise(records: Sequence[tuple[int, float]]) -> float:
-    """The relative standard error of the median time at each batch size (the largest): 1.25 sigma / sqrt(n),
-    sigma from the median absolute deviation. What a measured difference between steps must exceed."""
+def _by_size(records: Sequence[tuple[int, float]]) -> dict[int, list[float]]:
+    """The timed (batch size, seconds) records, grouped by batch size."""
     by_size: dict[int, list[float]] = {}
     for b, t in records:
         by_size.setdefault(b, []).append(t)
+    return by_size
+
+
+def _steps(size: int, global_batch: int, drop_last: bool) -> int:
+    """Global batches in an epoch of `size` samples."""
+    return size // global_batch if drop_last else -(-size // global_batch)
+
+
+def _noise(records: Sequence[tuple[int, float]]) -> float:
+    """The relative standard error of the median time at each batch size (the largest): 1.25 sigma / sqrt(n),
+    sigma from the median absolute deviation. What a measured difference between steps must exceed."""
     worst = 0.0
-    for ts in by_size.values():
+    for ts in _by_size(records).values():
         med = statistics.median(ts)
         if len(ts) >= 2 and med > 0:
             mad = statistics.median(abs(t - med) for t in ts)
@@ -104,10 +113,7 @@ def _noise(records: Sequence[tuple[int, float]]) -> float:
 
 def _fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     """cost = a + c b by least squares over the median time at each batch size; None under two sizes."""
-    by_size: dict[int, list[float]] = {}
-    for b, t in records:
-        by_size.setdefault(b, []).append(t)
-    pts = [(b, statistics.median(ts)) for b, ts in by_size.items() if b > 0]
+    pts = [(b, statistics.median(ts)) for b, ts in _by_size(records).items() if b > 0]
     if len(pts) < 2:
         return None
     mb = sum(b for b, _ in pts) / len(pts)
@@ -265,7 +271,7 @@ class Balancer:
         return out
 
     def _check_caps_now(self) -> None:
-        caps = [int(v) for v in self._gather([float(self.cap)] + [0.0] * (_STATS - 1))[:, 0].tolist()]
+        caps = [int(v) for v in self._gather([float(self.cap)])[:, 0].tolist()]
         if max(caps) < 1:
             raise ConfigError(f"balance: every rank's cap is below 1 ({caps}): no rank may take a sample; give "
                               "at least one rank cap >= 1")
@@ -335,12 +341,12 @@ class Balancer:
         if self._timer is not None:
             self._timer.collect()
         fit = _fit(list(self._records))
-        recent = [(b, t) for b, t in self._recent if self._recent and b == self._recent[-1][0]]
+        recent = [(b, t) for b, t in self._recent if b == self._recent[-1][0]]
         rt = statistics.median(t for _, t in recent) if recent else 0.0
         rb = recent[-1][0] if recent else 0
         noise = _noise(recent if self._calibrated else list(self._records))
         row = [fit[0] if fit else 0.0, fit[1] if fit else 0.0, 1.0 if fit else 0.0, rt, float(rb),
-               float(len(recent)), float(self.cap), noise]
+               float(len(recent)), noise]
         stats = self._gather(row)
         new, reason = self._choose(k, stats.tolist()) if self.rank == 0 else (None, "")
         kind = 0 if new is None else 1 + _KINDS.index(reason.split(":")[0])
@@ -354,14 +360,14 @@ class Balancer:
 
     def _choose(self, k: int, rows: list[list[float]]) -> tuple[list[int] | None, str]:
         """Rank 0: the new shares (None: keep them) and why."""
-        caps = [int(r[6]) for r in rows]
+        caps = self.caps  # gathered once, at construction
         # a change must promise a step shorter by more than the noise of the timings (twice their largest
         # standard error), by drift/3 at least; a gain of 2 drift is always taken (a few noisy steps must not
         # hide a rank several times slower)
-        gain = min(2 * self.drift, max(self.drift / 3, 2 * max(r[7] for r in rows)))
+        gain = min(2 * self.drift, max(self.drift / 3, 2 * max(r[6] for r in rows)))
         if not self._calibrated:
             late = k > 2 * (self.warmup + self.calibrate_steps) + 4 * self.check_every
-            if not late and not all(r[2] for r in rows if r[6] >= 1):
+            if not late and not all(r[2] for r, cap in zip(rows, caps, strict=True) if cap >= 1):
                 return None, ""  # a rank has not timed two batch sizes yet: ask again next batch
             # a rank that never timed two sizes (shares of 1, or a cap): its per-sample cost alone
             self._model = [(r[0], r[1]) if r[2] else (0.0, r[3] / r[4] if r[4] else 1.0) for r in rows]
@@ -377,7 +383,7 @@ class Balancer:
         # the calibration's error. A change of more than half is taken whole (a rank really slowed down); a
         # smaller one half-way, so that the step-to-step noise of a busy machine does not walk the shares.
         drifted, measured = [], []
-        for i, (_, _, _, rt, rb, rn, _, _) in enumerate(rows):
+        for i, (_, _, _, rt, rb, rn, _) in enumerate(rows):
             a, c = self._model[i]
             pred = a + c * rb
             if rn < 3 or rb < 1 or pred <= 0:
@@ -468,8 +474,7 @@ def global_batches(size: int, global_batch: int, seed: int, shuffle: bool = True
     epoch): what a single process trains on, for a reference run."""
     idx = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else \
         list(range(size))
-    steps = size // global_batch if drop_last else -(-size // global_batch)
-    for k in range(steps):
+    for k in range(_steps(size, global_batch, drop_last)):
         yield idx[k * global_batch:(k + 1) * global_batch]
 
 
@@ -492,8 +497,7 @@ class BatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        b = self.balancer.global_batch
-        return self.size // b if self.drop_last else -(-self.size // b)
+        return _steps(self.size, self.balancer.global_batch, self.drop_last)
 
     def global_batches(self) -> Iterator[list[int]]:
         """The epoch's global batches, whole (what a single process trains on)."""
