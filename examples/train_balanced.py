@@ -121,7 +121,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-factor", type=float, default=1.0)
-    ap.add_argument("--drift-at", type=int, default=-1, help="the step from which --slow-rank is slowed (default 0)")
+    ap.add_argument("--drift-at", type=int, default=-1,
+                    help="the step from which --slow-rank is slowed (default: from the start)")
     ap.add_argument("--cpus", default=None, help="CPUs per rank, '/'-separated lists, e.g. 0-11/12-15: rank i "
                     "runs on list i with as many threads (islands of CPUs pinned apart)")
     ap.add_argument("--gpu-ranks", default=None, help="ranks on the GPU (cuda:LOCAL_RANK %% count, island "
@@ -169,7 +170,7 @@ def main() -> None:
             loader = DataLoader(ds, batch_sampler=sampler, collate_fn=as_is)  # an empty share: empty tensors
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = nn.MSELoss()
-    t0, loss_v, marks = 0.0, 0.0, []
+    t0, marks = 0.0, []
     for step, (x, y) in zip(range(args.steps), loader, strict=False):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if device.type == "cuda":
@@ -183,14 +184,17 @@ def main() -> None:
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        if args.reference or bal is None:
-            loss_v = float(loss.detach())
-            if not args.reference:
-                t = torch.tensor([loss_v])
-                dist.all_reduce(t)
-                loss_v = float(t) / world
-        else:
-            loss_v = float(bal.mean(loss.detach() if len(x) else 0.0))
+    # the last step's global-batch loss: once, after the timed steps (each rank's loss is of its own share)
+    if args.reference or bal is None:
+        loss_v = float(loss.detach())
+        if not args.reference:
+            t = torch.tensor([loss_v])
+            dist.all_reduce(t)
+            loss_v = float(t) / world
+    else:
+        loss_v = float(bal.mean(loss.detach() if len(x) else 0.0))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     marks.append(time.perf_counter())
     wall = marks[-1] - t0
     samples = B * (args.steps - args.skip)
@@ -198,10 +202,6 @@ def main() -> None:
         history = [{"step": s, "shares": sh, "reason": why} for s, sh, why in bal.history]
     elif not args.reference:
         history = [{"step": 0, "shares": [B // world] * world, "reason": "DistributedSampler"}]
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        marks[-1] = time.perf_counter()
-        wall = marks[-1] - t0
     checksum = sum(float(p.detach().double().abs().sum()) for p in model.parameters())
     if rank == 0:
         out = {"samples_per_s": samples / wall, "final_loss": loss_v, "param_abs_sum": checksum,
