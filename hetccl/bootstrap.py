@@ -321,9 +321,11 @@ class Fabric:
         self._peer_lost(peer, exc)
 
     def _peer_lost(self, peer: int, exc: BaseException) -> None:
-        if self.closed or peer in self.lost:
+        if peer in self.lost:
             return
         self.lost[peer] = exc
+        if self.closed:  # closing: nothing left to fail, but the closing barrier must stop waiting for it
+            return
         log.error("hetccl: rank %d lost rank %d: %s", self.rank, peer, exc)
         err = exc if isinstance(exc, PeerLostError) else PeerLostError(str(exc), peer)
         for ep in self.endpoints.values():
@@ -529,14 +531,7 @@ class Fabric:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with
             # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier
             wait = min(10.0, self.settings.timeout, barrier_s if barrier_s is not None else 10.0)
-            with contextlib.suppress(HetcclError, OSError, TimeoutError):
-                async with asyncio.timeout(wait if not self.lost else 1.0):
-                    await self.store.set(f"{self.job}/closing/{self.rank}", 1)
-                    for r in range(self.size):
-                        await self.store.get(f"{self.job}/closing/{r}", timeout=wait)
-                    await self.store.set(f"{self.job}/closed/{self.rank}", 1)
-                    if self.server is not None:
-                        await self._wait_all_closed(wait)
+            await self._closing_barrier(wait)
         observe.on_close(self)
         for t in self.transports:
             with contextlib.suppress(Exception):
@@ -545,6 +540,35 @@ class Fabric:
             self.store.close()
         if self.server is not None:
             await self.server.close()
+
+    async def _closing_barrier(self, wait: float) -> None:
+        """Every rank's closing key, then (rank 0) every rank's closed key, within `wait` s; 1 s once a peer is
+        known lost, also when the loss is seen during the barrier (a peer that died as this rank began to close
+        never arrives: its survivors must not wait out the whole timeout)."""
+        assert self.store is not None
+        store = self.store
+
+        async def keys() -> None:
+            await store.set(f"{self.job}/closing/{self.rank}", 1)
+            for r in range(self.size):
+                await store.get(f"{self.job}/closing/{r}", timeout=wait)
+            await store.set(f"{self.job}/closed/{self.rank}", 1)
+            if self.server is not None:
+                await self._wait_all_closed(wait)
+
+        loop = asyncio.get_running_loop()
+        body = asyncio.ensure_future(keys())
+        deadline, bounded = loop.time() + wait, False
+        while not body.done():
+            if self.lost and not bounded:
+                deadline, bounded = min(deadline, loop.time() + 1.0), True
+            left = deadline - loop.time()
+            if left <= 0:
+                body.cancel()
+                break
+            await asyncio.wait({body}, timeout=min(0.05, left))
+        with contextlib.suppress(HetcclError, OSError, TimeoutError, asyncio.CancelledError):
+            await body
 
     async def _wait_all_closed(self, timeout: float) -> None:
         assert self.server is not None

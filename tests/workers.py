@@ -597,6 +597,9 @@ async def mismatch_then_exit(comm: hetccl.Communicator, kind: str) -> None:
         os.write(1, f"mismatch-exit ok rank {r} ({took:.2f} s): {exc}\n".encode())
         if odd:
             os._exit(5)
+        t1 = time.monotonic()
+        await comm.close()  # its closing barrier must stop waiting once rank 1's connections are gone
+        os.write(1, f"closed in {time.monotonic() - t1:.2f} s\n".encode())
         return
     except hetccl.HetcclError as exc:
         os.write(1, f"mismatch-exit WRONG rank {r}: {type(exc).__name__}: {exc}\n".encode())
