@@ -523,12 +523,20 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
     from pathlib import Path
 
     await comm.all_reduce(np.ones(10, np.float32))
-    wait = float(os.environ["HETCCL_TIMEOUT"]) + 12  # beyond both reporters' timeout and report gathering
+    dump = Path(os.environ["HETCCL_DUMP_DIR"])
+    # every rank leaves once both reporters have their report (one leaving earlier would fail the other's
+    # gathering), or after a bound beyond both reporters' timeout and report gathering
+    deadline = time.monotonic() + float(os.environ["HETCCL_TIMEOUT"]) + 12
+
+    def both_done() -> bool:
+        return len(list(dump.glob("reported-*"))) == 2 or time.monotonic() > deadline
+
     if comm.rank == 2:
-        if blocked:
-            time.sleep(wait)
-        else:
-            await asyncio.sleep(wait)
+        while not both_done():
+            if blocked:
+                time.sleep(0.05)
+            else:
+                await asyncio.sleep(0.05)
         os._exit(0)
     try:
         await comm.all_reduce(np.ones(10, np.float32))
@@ -537,7 +545,7 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
         text = str(exc)
     want = "no answer from [2]" if blocked else "ranks behind [2]"
     assert want in text, text
-    files = list(Path(os.environ["HETCCL_DUMP_DIR"]).glob(f"hang-*-rank{comm._fabric.rank}-*.json"))
+    files = list(dump.glob(f"hang-*-rank{comm._fabric.rank}-*.json"))
     assert len(files) == 1, files
     rep = json.loads(files[0].read_text())
     r2 = rep["ranks"][2]
@@ -545,7 +553,9 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
     # the other reporter is still inside #1, or (under load) timed out a moment earlier and says so
     assert rep["ranks"][1 - comm.rank]["state"].startswith(("inside #1", "gave up on #1 (failed after")), rep
     os.write(1, f"hang report ok rank {comm.rank}: {r2['state']}\n".encode())
-    await asyncio.sleep(6)  # the other reporter may still be gathering: leaving now would fail it
+    (dump / f"reported-{comm.rank}").touch()
+    while not both_done():
+        await asyncio.sleep(0.05)
     os._exit(0)
 
 
