@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--cpus", default=None, help="two islands of CPUs pinned apart, e.g. 0-11/12-15 (the "
                     "slowed island is the second; alone, each runs on its own list)")
+    ap.add_argument("--keep", default=None, help="a folder for every job's JSON (each step's time, the shares "
+                    "over time and why), named <rep>-<run>.json")
     ap.add_argument("--gpu", action="store_true", help="rank 0 on the GPU, rank 1 on the CPU (the GPU machine): "
                     "the islands' own speeds, no slowed rank")
     args = ap.parse_args()
@@ -94,6 +96,10 @@ def main() -> None:
             for name, (n, extra) in jobs.items():
                 res = run(n, extra, Path(tmp) / f"{rep}.json", args.timeout)
                 got[name].append(res)
+                if args.keep:
+                    Path(args.keep).mkdir(parents=True, exist_ok=True)
+                    slug = "".join(c if c.isalnum() else "-" for c in name)
+                    (Path(args.keep) / f"{rep}-{slug}.json").write_text(json.dumps(res, indent=1))
                 print(f"# rep {rep} {name}: {res['samples_per_s']:.0f} samples/s, shares "
                       f"{res['shares'][-1]['shares']}", file=sys.stderr)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in got.items()}
