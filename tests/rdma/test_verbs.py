@@ -1,6 +1,7 @@
 """The verbs transport on real (soft-RoCE) RDMA devices. Runs INSIDE the test-bed guest: the host suite
-starts it through tests/rdma-testbed/run-in-guest (tests/test_rdma_guest.py), once with one rxe device
-(`--net dummy`) and once with two devices joined by a veth pair (`--net veth`, ranks alternate devices).
+starts it through tests/rdma-testbed/run-in-guest (tests/test_rdma_guest.py) with two devices joined by a veth
+pair (`--net veth`, ranks alternate devices), and also with one rxe device (`--net dummy`) when
+HETCCL_RDMA_GUEST_NETS=dummy,veth.
 
 Every rank process is real (launched by `hetccl run`), HETCCL_TRANSPORTS=verbs forces the transport, and
 each worker checks its own results against numpy."""
