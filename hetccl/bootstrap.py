@@ -559,14 +559,16 @@ class Fabric:
         loop = asyncio.get_running_loop()
         body = asyncio.ensure_future(keys())
         deadline, bounded = loop.time() + wait, False
-        while not body.done():
-            if self.lost and not bounded:
-                deadline, bounded = min(deadline, loop.time() + 1.0), True
-            left = deadline - loop.time()
-            if left <= 0:
-                body.cancel()
-                break
-            await asyncio.wait({body}, timeout=min(0.05, left))
+        try:
+            while not body.done():
+                if self.lost and not bounded:
+                    deadline, bounded = min(deadline, loop.time() + 1.0), True
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                await asyncio.wait({body}, timeout=min(0.05, left))
+        finally:  # past the bound, or this close itself cancelled: no store request may outlive it
+            body.cancel()
         with contextlib.suppress(HetcclError, OSError, TimeoutError, asyncio.CancelledError):
             await body
 
