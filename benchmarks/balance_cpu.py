@@ -91,13 +91,14 @@ def main() -> None:
                       "--slow-factor", f, "--drift-at", str(args.drift_at)]),
     }
     got: dict[str, list[dict]] = {k: [] for k in jobs}
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for name, (n, extra) in jobs.items():
                 res = run(n, extra, Path(tmp) / f"{rep}.json", args.timeout)
                 got[name].append(res)
                 if args.keep:
-                    Path(args.keep).mkdir(parents=True, exist_ok=True)
                     slug = "".join(c if c.isalnum() else "-" for c in name)
                     (Path(args.keep) / f"{rep}-{slug}.json").write_text(json.dumps(res, indent=1))
                 print(f"# rep {rep} {name}: {res['samples_per_s']:.0f} samples/s, shares "
