@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -131,7 +132,7 @@ class Communicator(Group):
         if o.count != i.count or i.count % self.size:
             raise ConfigError(f"all_to_all: out and inp need the same length, a multiple of size={self.size} "
                               f"(got {o.count} and {i.count})")
-        await self.flat_all_to_all(o, i)
+        await self._flat_in_turn("all_to_all", lambda: self.flat_all_to_all(o, i))
 
     async def gather(self, out: Any, inp: Any, root: int = 0) -> None:
         """root's out (size * len(inp)) receives every rank's inp, rank-major; out may be None elsewhere."""
@@ -141,7 +142,7 @@ class Communicator(Group):
         if self.rank == root:
             o = _mem(out, "out")
             self._gathered("gather", i, o)
-        await self.flat_gather(o, i, root)
+        await self._flat_in_turn("gather", lambda: self.flat_gather(o, i, root))
 
     async def scatter(self, out: Any, inp: Any, root: int = 0) -> None:
         """Block p of root's inp (size * len(out)) lands in rank p's out; inp may be None off root."""
@@ -151,11 +152,20 @@ class Communicator(Group):
         if self.rank == root:
             i = _mem(inp, "inp", writable=False)
             self._gathered("scatter", o, i)
-        await self.flat_scatter(o, i, root)
+        await self._flat_in_turn("scatter", lambda: self.flat_scatter(o, i, root))
 
     async def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
-        await self.flat_barrier()
+        await self._flat_in_turn("barrier", self.flat_barrier)
+
+    async def _flat_in_turn(self, name: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Across islands, a collective that runs flat takes its turn as the hierarchical ones do (ordering.py):
+        else, issued behind a hierarchical collective that still waits (for its device copy, say), it could
+        start first on one rank and second on another, and the two would meet the wrong peers."""
+        if self._islands == 1:
+            return await step()
+        async with self.issue_order.turn(name, asyncio.get_running_loop().time() + self.settings.timeout):
+            await step()
 
     async def synchronize(self) -> None:
         """Wait until every device-memory collective this rank enqueued has completed on the GPU.
@@ -196,6 +206,36 @@ class Communicator(Group):
                 self._gathered(name, out, inp)
                 op = parse_op(arg(2, "op", "sum"))
         return self.enqueue_vendor_now(name, bufs, root, op)
+
+    def enqueue_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any], stream: Any) -> Any:
+        """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
+        the methods take them) whose device side the calling thread enqueues on `stream` now; returns the
+        coroutine of its host side, to run on hetccl's loop (the stream waits for it: gpu/streamorder.py), or
+        None where the loop must do it all (one island, islands of several ranks, layout not built yet)."""
+        tensors = args[:2] if name in ("all_gather", "reduce_scatter") else args[:1]
+        if self._islands == 1 or self.island_layout is None or not all(is_device(a) for a in tensors):
+            return None
+
+        def arg(i: int, key: str, default: Any) -> Any:
+            return kwargs[key] if key in kwargs else (args[i] if len(args) > i else default)
+
+        self._check_open()
+        if name in ("all_reduce", "broadcast"):
+            bufs: list[Any] = [as_device_buf(args[0], "buf")]
+            bufs.append(parse_op(arg(1, "op", "sum")) if name == "all_reduce" else self._root(arg(1, "root", 0)))
+        elif name in ("all_gather", "reduce_scatter"):
+            out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
+            if name == "all_gather":
+                self._gathered(name, inp, out)
+            else:
+                self._gathered(name, out, inp)
+            bufs = [out, inp] + ([parse_op(arg(2, "op", "sum"))] if name == "reduce_scatter" else [])
+        else:
+            return None
+        for b in bufs:
+            if isinstance(b, DeviceBuf):
+                check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
+        return hierarchical.enqueue_ordered(self, name, tuple(bufs), stream)
 
     # ---- point to point ------------------------------------------------------------------------------
     async def send(self, buf: Any, peer: int, tag: int = 0) -> None:

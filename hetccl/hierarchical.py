@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, ReduceOp, as_buf
-from .gpu import pairlink, ringlink, staging
+from .gpu import pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
 from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
@@ -92,10 +92,18 @@ def _deadline(group: Group) -> float:
     return asyncio.get_running_loop().time() + group.settings.timeout
 
 
-async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
+def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
+    """The byte ranges of the leaders' chunked all_reduce: the same on every leader, whatever its memory."""
+    step = staging.STAGE_CHUNK // isz
+    return [(off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step)]
+
+
+async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> None:
     """Reduce to each island's leader, all_reduce among leaders (device data staged through pinned host
     memory, or over the zero-copy link), broadcast inside each island. Host buffers (CPU islands) take the
-    same steps with hetccl's host algorithms, so every rank runs the same sequence of collectives."""
+    same steps with hetccl's host algorithms, so every rank runs the same sequence of collectives. `stage`
+    (islands of one rank, b its pinned host buffer): each chunk waits for its copy from the device and lets
+    its copy back go (streamorder.Stage)."""
     lay = await layout(group)
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     members = lay.my_members
@@ -106,13 +114,18 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp) -> None:
         if lay.leaders is not None and lay.leaders.size > 1:
             # the same chunks as a GPU leader's staging, so every leader issues the same collectives
             isz = b.dtype.itemsize
-            step = staging.STAGE_CHUNK // isz
-            for off in range(0, max(b.count, 1), step):
-                part = b.data[off * isz:(off + step) * isz]
-                await lay.leaders.flat_all_reduce(Buf(part, b.dtype, len(part) // isz, b.obj), inner)
+            for i, (lo, hi) in enumerate(_chunks(b.count, isz)):
+                part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
+                if stage is not None:
+                    await stage.arrived(i, _deadline(group), "cross-island all_reduce")
+                await lay.leaders.flat_all_reduce(part, inner)
+                if stage is not None:
+                    if rop == ReduceOp.AVG:
+                        native.divide(part.data, b.dtype, group.size)
+                    stage.done(i)
         if len(members) > 1:
             await lay.island_comm.flat_broadcast(b, 0)
-        if rop == ReduceOp.AVG:
+        if rop == ReduceOp.AVG and stage is None:
             native.divide(b.data, b.dtype, group.size)
         return
     use_device(b.device)
@@ -401,4 +414,117 @@ async def reduce_scatter(group: Group, out: Mem, inp: Mem, rop: ReduceOp) -> Non
 SCHEDULES: dict[str, Callable[..., Awaitable[None]]] = {
     "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
     "broadcast": broadcast, "reduce": reduce,
+}
+
+
+# ---- ordered on the caller's stream (gpu/streamorder.py) ---------------------------------------------------------
+# Islands of one rank each: the device side (copies to and from pinned memory, words) is enqueued here, on the
+# caller's thread, and the host side is the host schedule above on the pinned copy, which issues the same
+# sub-collectives as any leader's (a CPU island's, or a GPU's through the loop), so every rank agrees.
+
+Planned = tuple[Any, Callable[[], Awaitable[None]]]  # (the streamorder.Stage, its host side's body)
+
+
+def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
+                    stream: Any) -> tuple[Coroutine[Any, Any, None], Callable[[], None]] | None:
+    """From the caller's thread: enqueue the device side of collective `name` (a SCHEDULES entry, checked
+    arguments as they take them) on `stream`, and return the coroutine of its host side for hetccl's loop
+    (the stream waits for it), with what lets the stream go if that coroutine is never run. None where this
+    layout or device cannot (then the loop does it all)."""
+    lay = group.island_layout
+    plan = _PLANS.get(name)
+    if plan is None or lay is None or lay.leaders is None or any(len(m) > 1 for m in lay.islands):
+        return None
+    bufs = [a for a in args if isinstance(a, DeviceBuf)]
+    if not bufs or any(b.framework != "torch" or b.count == 0 for b in bufs):
+        return None
+    words = streamorder.words_for(bufs[0].device)
+    if words is None:
+        return None
+    stage, body = plan(group, words, stream, *args)
+    return _host_side(group, name, stage, body), lambda: stage.finish(False)
+
+
+def _raw(b: DeviceBuf) -> Any:
+    return as_tensor(b).view(torch_mod().uint8)
+
+
+def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
+    isz = b.dtype.itemsize
+    return Buf(stage.host[at:at + count * isz], b.dtype, count)
+
+
+async def _host_side(group: Group, name: str, stage: Any, body: Callable[[], Awaitable[None]]) -> None:
+    """On the loop, in issue order with the communicator's other collectives across islands."""
+    ok = False
+    try:
+        async with group.issue_order.turn(name, _deadline(group)):
+            await body()
+        ok = True
+    finally:
+        stage.finish(ok)
+
+
+def _plan_all_reduce(group: Group, words: Any, stream: Any, b: DeviceBuf, rop: ReduceOp) -> Planned:
+    stage = streamorder.Stage(words, stream, b.nbytes)
+    pieces = _chunks(b.count, b.dtype.itemsize)
+    stage.to_host(_raw(b), 0, pieces)
+    stage.from_host(_raw(b), 0, pieces)
+    stage.seal()
+    host = _host(stage, b, 0, b.count)
+    return stage, lambda: all_reduce(group, host, rop, stage)
+
+
+def _plan_all_gather(group: Group, words: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf) -> Planned:
+    k, nb = inp.count, inp.nbytes
+    stage = streamorder.Stage(words, stream, out.nbytes)
+    stage.to_host(_raw(inp), group.rank * nb, [(0, nb)])
+    stage.from_host(_raw(out), 0, [(0, out.nbytes)])
+    stage.seal()
+    every, mine = _host(stage, out, 0, out.count), _host(stage, inp, group.rank * nb, k)
+
+    async def body() -> None:
+        await stage.arrived(0, _deadline(group), "cross-island all_gather")
+        await all_gather(group, every, mine)
+        stage.done(0)
+    return stage, body
+
+
+def _plan_reduce_scatter(group: Group, words: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf,
+                         rop: ReduceOp) -> Planned:
+    stage = streamorder.Stage(words, stream, inp.nbytes + out.nbytes)
+    stage.to_host(_raw(inp), 0, [(0, inp.nbytes)])
+    stage.from_host(_raw(out), inp.nbytes, [(0, out.nbytes)])
+    stage.seal()
+    src, dst = _host(stage, inp, 0, inp.count), _host(stage, out, inp.nbytes, out.count)
+
+    async def body() -> None:
+        await stage.arrived(0, _deadline(group), "cross-island reduce_scatter")
+        await reduce_scatter(group, dst, src, rop)
+        stage.done(0)
+    return stage, body
+
+
+def _plan_broadcast(group: Group, words: Any, stream: Any, b: DeviceBuf, root: int) -> Planned:
+    stage = streamorder.Stage(words, stream, b.nbytes)
+    whole = [(0, b.nbytes)]
+    if group.rank == root:
+        stage.to_host(_raw(b), 0, whole)
+    else:
+        stage.from_host(_raw(b), 0, whole)
+    stage.seal()
+    host = _host(stage, b, 0, b.count)
+
+    async def body() -> None:
+        if group.rank == root:
+            await stage.arrived(0, _deadline(group), "cross-island broadcast")
+        await broadcast(group, host, root)
+        if group.rank != root:
+            stage.done(0)
+    return stage, body
+
+
+_PLANS: dict[str, Callable[..., Planned]] = {
+    "all_reduce": _plan_all_reduce, "all_gather": _plan_all_gather, "reduce_scatter": _plan_reduce_scatter,
+    "broadcast": _plan_broadcast,
 }

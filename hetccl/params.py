@@ -329,10 +329,10 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "(deadline, NCCL async error, lost peers)", "hetccl.gpu.vendor_comm", lo=0, lo_open=True),
     _P("HETCCL_TORCH_CUDA", "choice", "direct", "`staged`: the torch backend copies CUDA tensors through host "
        "memory instead of hetccl's device path", "hetccl.torch.backend", choices=("direct", "staged")),
-    _P("HETCCL_TORCH_STREAM_ORDER", "bool", False, "`1` (experimental, it hung on one H200 on 2026-12-03): a "
-       "torch collective of CUDA tensors that runs through hetccl's loop (across islands) is ordered on the caller's "
-       "stream and returns at once, instead of holding the caller's thread in wait() until it ends",
-       "hetccl.torch.backend"),
+    _P("HETCCL_TORCH_STREAM_ORDER", "bool", False, "`1` (opt-in): a torch all_reduce, broadcast, all_gather or "
+       "reduce_scatter of CUDA tensors across islands of one rank each is ordered on the caller's stream and returns "
+       "at once, instead of holding the caller's thread in wait() until it ends (set it on every rank)",
+       "hetccl.torch.backend", agree=True),
     _P("HETCCL_TORCH_ALIAS", "list", [], "torch backend names (`nccl`, `gloo`) that mean hetccl; set by `hetccl "
        "run --torch-backend-alias`", "hetccl.torch.alias.sitecustomize", parse=lambda t: [
            a.strip().lower() for a in t.split(",") if a.strip()]),

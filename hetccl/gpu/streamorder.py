@@ -1,119 +1,247 @@
-"""Collectives that run partly on the host, ordered on the caller's stream without holding the caller's thread.
+"""Cross-island collectives ordered on the caller's stream, with every CUDA call made by the caller's thread.
 
-A cross-island collective needs host work (staging, the wire, host reductions) that hetccl's loop thread does.
-Instead of the caller's thread waiting for it, `StreamGate.enter` enqueues, from the caller's thread:
+A collective between islands has host work (the wire, host reductions). The caller's thread must not wait for
+it, yet the stream must see its result in order. So the caller's thread enqueues the whole device side on its
+stream at once, and hetccl's loop thread does the host side touching only host memory:
 
-    caller's stream:  record `start`  ->  wait until word[s] >= generation  ->  (what the caller queues next)
-    the gate's side stream:  wait for `start`  ->  the collective's device work, issued by the loop thread
-                             ->  write word[s] = generation   (`Ticket.release_on_stream`)
+    caller's stream:  D2H piece 0 -> pinned, write word a0 ... D2H piece k -> pinned, write word ak
+                      wait until word b0 -> H2D piece 0 ... wait until word bk -> H2D piece k, write word c
+    loop thread:      for each piece: wait for word a_i (a plain load), the host collective, store word b_i
 
-and returns. The loop thread runs the collective on the side stream (its device work waits for the caller's
-earlier work there, never on the caller's stream, which is blocked until the end), and at its end the side stream
-itself releases the caller's stream: no host round trip. A collective that fails writes the word from the host
-(`Ticket.release_now`), so the caller's stream never waits forever, and the caller learns of the error from the
-backend (its next call or wait()). Every ticket has its own word (slot s, generation g): collectives issued on
-different streams do not wait for each other. The words are 32-bit, in host memory mapped for the GPU, moved by
-stream memory operations (bindings/streamops.py; ProcessGroupNCCL orders its work the same way with events,
-which a host-side end cannot record in advance).
+The words are 32-bit, in host memory mapped for the GPU (stream memory operations, bindings/streamops.py).
+Why the loop thread makes no CUDA call at all: with lazy module loading (CUDA's default), the first launch of
+a kernel takes the context's lock and waits for the GPU to drain; a held stream drains only when the loop
+thread stores its word, and a loop thread that made any CUDA call then would wait for that lock. On one H200
+(2026-12-04, benchmarks/implicit_sync_probe.py) the caller's first `torch.equal` sat in cuLaunchKernel while
+the loop thread sat in cudaEventDestroy, and also cudaHostRegister and cudaFree waited behind a held stream.
+NCCL's proxy thread is safe the same way: its kernels wait for a thread that makes no CUDA call.
+
+A failed host side stores every b word, so the stream never waits forever (its result is not to be used; the
+torch backend raises the error at the next call or wait()). Pinned buffers are pooled per device and reused
+once the stream has passed word c and the host side has let go of them; they are allocated and dropped on the
+caller's thread only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError
+from ..errors import CollectiveTimeout, TransportError
 from .runtime import device_index, torch_mod
 
 log = logging.getLogger("hetccl")
 
-WORDS = 1 << 14  # tickets in flight per device before a word is reused (each has its own)
+WORDS = 1 << 16  # words per device; a word is reused after WORDS others (a generation each time)
+POOL_KEEP = 16  # pinned buffers kept per device
+POLL_S = 20e-6  # the watcher's pause between looks at the words it waits for
 
 
-class Ticket:
-    """One collective's place in the order: `side` is the stream its device work goes on."""
-
-    __slots__ = ("gate", "slot", "gen", "side", "end", "released")
-
-    def __init__(self, gate: StreamGate, slot: int, gen: int, side: Any, end: Any):
-        self.gate, self.slot, self.gen, self.side, self.end = gate, slot, gen, side, end
-        self.released = False
-
-    def release_on_stream(self) -> None:
-        """The caller's stream goes on once the side stream reaches this point (its device work is done)."""
-        self.gate.ops.write(self.side.cuda_stream, self.gate.dev_word(self.slot), self.gen)
-        self.released = True
-
-    def release_now(self) -> None:
-        """Let the caller's stream go on at once (the collective failed: its result is not to be used)."""
-        if not self.released:
-            self.released = True
-            self.gate.words[self.slot] = self.gen
-
-
-class StreamGate:
-    """The words and the side stream of one device (make with `gate_for`)."""
+class Words:
+    """A device's host-mapped words (make with `words_for`), and its pool of pinned buffers."""
 
     def __init__(self, device: int, ops: Any):
         torch = torch_mod()
         self.device, self.ops = device, ops
         self._mm = mmap.mmap(-1, WORDS * 4)
-        self.words = np.frombuffer(self._mm, dtype=np.uint32)
-        ptr = self.words.ctypes.data
+        self.host = np.frombuffer(self._mm, dtype=np.uint32)
+        ptr = self.host.ctypes.data
         with torch.cuda.device(device):
             err = torch.cuda.cudart().cudaHostRegister(ptr, WORDS * 4, 3)  # portable | mapped
             if int(err) != 0:
                 raise TransportError(f"cudaHostRegister of the stream-order words failed (error {int(err)})")
             self._dev = ops.device_pointer(ptr)
-            self.side = torch.cuda.Stream(device=device)
         self._next = 0
         self._lock = threading.Lock()
+        self._pool: list[_Pinned] = []
 
-    def dev_word(self, slot: int) -> int:
-        return self._dev + 4 * slot
-
-    def enter(self, caller: Any) -> Ticket:
-        """From the caller's thread: order a collective after `caller`'s queued work, and what `caller` queues
-        next after the collective's end. Returns at once."""
-        torch = torch_mod()
+    def take(self, m: int) -> list[tuple[int, int]]:
+        """m fresh (slot, generation) pairs: a word reaches a generation when it holds it or a later one."""
         with self._lock:
             k = self._next
-            self._next += 1
-        slot, gen = k % WORDS, (k // WORDS + 1) & 0xFFFFFFFF
-        start = torch.cuda.Event()
-        start.record(caller)
-        self.side.wait_event(start)
-        self.ops.wait_geq(caller.cuda_stream, self.dev_word(slot), gen)
-        end = torch.cuda.Event()
-        end.record(caller)
-        return Ticket(self, slot, gen, self.side, end)
+            self._next += m
+        return [((k + i) % WORDS, ((k + i) // WORDS + 1) & 0xFFFFFFFF) for i in range(m)]
+
+    def reached(self, word: tuple[int, int]) -> bool:
+        slot, gen = word
+        return not (int(self.host[slot]) - gen) & 0x80000000
+
+    def store(self, word: tuple[int, int]) -> None:
+        self.host[word[0]] = word[1]
+
+    def signal(self, stream: int, word: tuple[int, int]) -> None:
+        """Enqueue on `stream`: store the word once the stream gets there."""
+        self.ops.write(stream, self._dev + 4 * word[0], word[1])
+
+    def hold(self, stream: int, word: tuple[int, int]) -> None:
+        """Enqueue on `stream`: go on only once the word is reached."""
+        self.ops.wait_geq(stream, self._dev + 4 * word[0], word[1])
+
+    def pinned(self, nbytes: int) -> _Pinned:
+        """A pinned buffer of at least nbytes that no stream nor host side still uses (caller's thread)."""
+        torch = torch_mod()
+        with self._lock:
+            free = [p for p in self._pool if p.idle(self) and p.nbytes >= nbytes]
+            if free:
+                p = min(free, key=lambda q: q.nbytes)
+                p.released, p.end = False, None
+                return p
+            if len(self._pool) >= POOL_KEEP:  # make room: drop the smallest idle one
+                idle = [q for q in self._pool if q.idle(self)]
+                if idle:
+                    self._pool.remove(min(idle, key=lambda q: q.nbytes))
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        p = _Pinned(torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True))
+        p.released = False
+        with self._lock:
+            self._pool.append(p)
+        return p
 
 
-_GATES: dict[int, StreamGate | None] = {}
-_GATES_LOCK = threading.Lock()
+class _Pinned:
+    __slots__ = ("tensor", "array", "nbytes", "released", "end")
+
+    def __init__(self, tensor: Any):
+        self.tensor, self.array, self.nbytes = tensor, tensor.numpy(), tensor.numel()
+        self.released, self.end = True, None  # end: the word the stream stores after its last use
+
+    def idle(self, words: Words) -> bool:
+        return self.released and (self.end is None or words.reached(self.end))
 
 
-def gate_for(device: Any) -> StreamGate | None:
-    """The device's gate, or None where stream memory operations cannot be used (then the caller waits for
-    the host work itself, as before; the reason is logged once)."""
+_WORDS: dict[int, Words | None] = {}
+_WORDS_LOCK = threading.Lock()
+
+
+def words_for(device: Any) -> Words | None:
+    """The device's words, or None where stream memory operations cannot be used (then cross-island
+    collectives hold the caller's thread until they end, as before; the reason is logged once)."""
     index = device_index(device)
-    gate = _GATES.get(index, False)
-    if gate is not False:
-        return gate  # type: ignore[return-value]
-    with _GATES_LOCK:
-        if index in _GATES:
-            return _GATES[index]
+    words = _WORDS.get(index, False)
+    if words is not False:
+        return words  # type: ignore[return-value]
+    with _WORDS_LOCK:
+        if index in _WORDS:
+            return _WORDS[index]
         from ..bindings.streamops import load_streamops
 
         torch = torch_mod()
         try:
             ops = load_streamops("hip" if getattr(torch.version, "hip", None) else "cuda")
-            _GATES[index] = StreamGate(index, ops)
+            _WORDS[index] = Words(index, ops)
         except TransportError as exc:
             log.info("hetccl: cross-island collectives hold the caller's thread until they end (%s)", exc)
-            _GATES[index] = None
-        return _GATES[index]
+            _WORDS[index] = None
+        return _WORDS[index]
+
+
+class _Watcher:
+    """One thread that looks at the words the loop waits for and completes their futures: a poll without a
+    CUDA call, and without spinning the loop (its timers have millisecond steps)."""
+
+    def __init__(self) -> None:
+        self._waits: list[tuple[Words, tuple[int, int], asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def wait(self, words: Words, word: tuple[int, int]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if words.reached(word):
+            fut.set_result(None)
+            return fut
+        with self._cond:
+            self._waits.append((words, word, loop, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hetccl-words", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waits:
+                    self._cond.wait()
+                waits = list(self._waits)
+            done = [w for w in waits if w[3].done() or w[0].reached(w[1])]
+            if done:
+                with self._cond:
+                    self._waits = [w for w in self._waits if w not in done]
+                for _, _, loop, fut in done:
+                    if not fut.done():
+                        loop.call_soon_threadsafe(_settle, fut)
+            time.sleep(POLL_S)
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+_WATCHER = _Watcher()
+
+
+class Stage:
+    """One collective's device side, enqueued by the caller's thread on its stream, and the host side's view
+    of it: `host` (a pinned uint8 array), `arrived(i)` (piece i of the copies to the host has landed) and
+    `done(j)` (piece j may be copied back). `to_host`, `from_host` and `seal` are called once each, in that
+    order (either copy may have no pieces)."""
+
+    def __init__(self, words: Words, stream: Any, nbytes: int):
+        self.words, self.stream = words, stream
+        self._buf = words.pinned(nbytes)
+        self.host = self._buf.array[:nbytes]
+        self._arrivals: list[tuple[int, int]] = []
+        self._releases: list[tuple[int, int]] = []
+
+    def to_host(self, src: Any, at: int, pieces: list[tuple[int, int]]) -> None:
+        """Copy bytes [a, b) of the uint8 device tensor src to host[at + a: at + b] for each piece, each then
+        announced by its own word."""
+        torch = torch_mod()
+        words = self.words.take(len(pieces))
+        with torch.cuda.stream(self.stream):
+            for (a, b), w in zip(pieces, words, strict=True):
+                self._buf.tensor[at + a:at + b].copy_(src[a:b], non_blocking=True)
+                self.words.signal(self.stream.cuda_stream, w)
+        self._arrivals += words
+
+    def from_host(self, dst: Any, at: int, pieces: list[tuple[int, int]]) -> None:
+        """For each piece: wait for its word, then copy host[at + a: at + b] into bytes [a, b) of dst."""
+        torch = torch_mod()
+        words = self.words.take(len(pieces))
+        with torch.cuda.stream(self.stream):
+            for (a, b), w in zip(pieces, words, strict=True):
+                self.words.hold(self.stream.cuda_stream, w)
+                dst[a:b].copy_(self._buf.tensor[at + a:at + b], non_blocking=True)
+        self._releases += words
+
+    def seal(self) -> None:
+        """The stream's last use of the pinned buffer: it is free once the stream passes here."""
+        end = self.words.take(1)[0]
+        self.words.signal(self.stream.cuda_stream, end)
+        self._buf.end = end
+
+    async def arrived(self, i: int, deadline: float, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(_WATCHER.wait(self.words, self._arrivals[i]), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            raise CollectiveTimeout(f"{what}: the caller's stream did not reach the collective before the deadline "
+                                    "(HETCCL_TIMEOUT): the work queued ahead of it took longer") from None
+
+    def done(self, j: int) -> None:
+        self.words.store(self._releases[j])
+
+    def finish(self, ok: bool) -> None:
+        """The host side is over: on failure every copy back may go (the stream must not wait forever)."""
+        if not ok:
+            for w in self._releases:
+                self.words.store(w)
+        self._buf.released = True

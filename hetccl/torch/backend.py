@@ -14,6 +14,7 @@ import datetime
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -23,7 +24,6 @@ import torch.distributed as dist
 import hetccl
 from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
-from hetccl.gpu import streamorder
 from hetccl.gpu.runtime import CALLER_STREAM, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
 
@@ -120,9 +120,8 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
 # CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
 _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
-# 1: a collective of CUDA tensors through the loop (across islands) is ordered on the caller's stream and returns
-# at once (gpu/streamorder.py), as inside one island; off by default: on one H200 (2026-12-03) a loop thread got
-# stuck while a caller's stream waited on its word (docs/architecture.md §11)
+# 1: a collective of CUDA tensors across islands is ordered on the caller's stream and returns at once
+# (gpu/streamorder.py), as inside one island; opt-in while FSDP2 over the link path is not yet right with it
 _STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
 
 
@@ -307,6 +306,30 @@ class _EnqueuedWork(dist.Work):
         self.wait()
 
 
+class _Kinds:
+    """Collectives ordered on the caller's stream and collectives whose device work hetccl's loop thread does
+    are never in flight together: a loop thread in a CUDA call while a stream waits for the loop deadlocks
+    under lazy module loading (gpu/streamorder.py). A call of one kind first waits, on the caller's thread and
+    within the deadline, until none of the other kind is left."""
+
+    def __init__(self) -> None:
+        self._n = {"ordered": 0, "loop": 0}
+        self._cv = threading.Condition()
+
+    def enter(self, kind: str, timeout: float) -> None:
+        other = "loop" if kind == "ordered" else "ordered"
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._n[other] == 0, timeout):
+                raise hetccl.CollectiveTimeout(f"hetccl backend: a collective waited past the deadline "
+                                               f"(HETCCL_TIMEOUT) for the {other} collectives before it to end")
+            self._n[kind] += 1
+
+    def leave(self, kind: str) -> None:
+        with self._cv:
+            self._n[kind] -= 1
+            self._cv.notify_all()
+
+
 class HetcclBackend(dist.ProcessGroup):
     """c10d process group whose collectives run on a hetccl communicator.
 
@@ -329,6 +352,7 @@ class HetcclBackend(dist.ProcessGroup):
         self._lanes: dict[int, Any] = {}  # device index -> group.IslandLane (single GPU island)
         # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
         self.broken: BaseException | None = None
+        self._kinds = _Kinds()
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -387,22 +411,31 @@ class HetcclBackend(dist.ProcessGroup):
             self._lanes[dev] = self._acomm.lane(dev)
         return _EnqueuedWork(result, dev, _raw_stream(dev), event, self._lanes[dev].vc)
 
+    def _collective(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any,
+                    after: Callable[[], None] | None = None, bufs: Sequence[torch.Tensor] = ()) -> Any:
+        """_launch of the communicator's collective `name`(*args, **kwargs), which is ordered on the caller's
+        stream instead where it can be (_launch_ordered)."""
+        return self._launch(lambda: getattr(self._acomm, name)(*args, **kwargs), result, after, bufs,
+                            (name, args, kwargs))
+
     def _launch(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
-                after: Callable[[], None] | None = None, bufs: Sequence[torch.Tensor] = ()) -> Any:
+                after: Callable[[], None] | None = None, bufs: Sequence[torch.Tensor] = (),
+                ordered: tuple[str, list[Any], dict[str, Any]] | None = None) -> Any:
         """Schedule coro_fn() on the hetccl loop; the Work's future completes with `result` once it is done.
-        `bufs`, the tensors hetccl itself reads and writes: all on the GPU, the collective is ordered on the
-        caller's stream instead and the call returns at once (_launch_ordered)."""
+        `bufs`, the tensors hetccl itself reads and writes: all on the GPU, a collective across islands
+        (`ordered`: its name and arguments) is ordered on the caller's stream instead and the call returns at
+        once (_launch_ordered)."""
         if self.broken is not None:
             raise self.broken
         devices = _cuda_devices(result)
         # the caller's stream on the tensors' device: device collectives are enqueued on it (not on the loop
         # thread's own current stream), and copies back and the future's completion events are recorded on it
         stream = torch.cuda.current_stream(devices[0]) if devices else None
-        if stream is not None and bufs and _STREAM_ORDER and _CUDA_DIRECT and self._comm is not None \
-                and all(b.is_cuda for b in bufs) and not blocking():
-            gate = streamorder.gate_for(stream.device_index)
-            if gate is not None:
-                return self._launch_ordered(coro_fn, result, after, stream, gate)
+        if stream is not None and ordered is not None and bufs and _STREAM_ORDER and _CUDA_DIRECT \
+                and self._comm is not None and all(b.is_cuda for b in bufs) and not blocking():
+            work = self._launch_ordered(ordered, result, after, stream)
+            if work is not None:
+                return work
         fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
         async def body() -> None:
@@ -423,64 +456,84 @@ class HetcclBackend(dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
+        kind = "loop" if stream is not None and _STREAM_ORDER else None  # device work on the loop (_Kinds)
+
         def done(cf: Any) -> None:
             self._finished += 1
-            if stream is None:
-                complete(cf)
-            else:
-                with torch.cuda.stream(stream):
+            try:
+                if stream is None:
                     complete(cf)
+                else:
+                    with torch.cuda.stream(stream):
+                        complete(cf)
+            finally:
+                if kind is not None:
+                    self._kinds.leave(kind)
 
         comm = self._comm
         if comm is None:
             raise self._shut_down()
+        if kind is not None:
+            self._kinds.enter(kind, self._acomm.settings.timeout)
         self._submitted += 1
-        comm.submit(body()).add_done_callback(done)
+        try:
+            comm.submit(body()).add_done_callback(done)
+        except BaseException:
+            self._finished += 1
+            if kind is not None:
+                self._kinds.leave(kind)
+            raise
         return _FutureWork(fut)
 
     def _shut_down(self) -> hetccl.HetcclError:
         return hetccl.HetcclError(f"hetccl backend: process group {self._group_name or 'default'} was shut down "
                                   "(destroy_process_group or interpreter exit); create a new one")
 
-    def _launch_ordered(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], result: Any,
-                        after: Callable[[], None] | None, stream: Any, gate: Any) -> Any:
-        """The collective on the loop, ordered on the caller's stream (gpu/streamorder.py): its device work runs
-        on the gate's side stream after the caller's queued work, the caller's stream waits for its end, and this
-        thread returns at once, with a Work that is done as far as the host is concerned (as ProcessGroupNCCL's).
-        The copies back (`after`) are enqueued here, behind that wait. An error of the host work releases the
-        stream and is raised by this group's next call or wait()."""
-        comm = self._comm
-        ticket = gate.enter(stream)
+    def _launch_ordered(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
+                        after: Callable[[], None] | None, stream: Any) -> Any | None:
+        """The collective across islands ordered on the caller's stream (gpu/streamorder.py): this thread
+        enqueues its device side and the copies back (`after`), hetccl's loop runs its host side, and the call
+        returns at once with a Work that is done as far as the host is concerned (as ProcessGroupNCCL's). An
+        error of the host side lets the stream go and is raised by this group's next call or wait(). None
+        where the loop must do it all."""
+        name, args, kwargs = ordered
+        self._kinds.enter("ordered", self._acomm.settings.timeout)
+        try:
+            with torch.cuda.device(stream.device_index):
+                planned = self._acomm.enqueue_ordered(name, args, kwargs, stream)
+        except BaseException:
+            self._kinds.leave("ordered")
+            raise
+        if planned is None:
+            self._kinds.leave("ordered")
+            return None
+        host_side, abandon = planned
 
-        async def body() -> None:
-            use_device(stream.device_index)
-            CALLER_STREAM.set(ticket.side)  # every device step of the collective goes on the side stream
-            await coro_fn()
-            ticket.release_on_stream()
-
-        def done(cf: Any) -> None:
+        def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
             self._finished += 1
+            self._kinds.leave("ordered")
             try:
                 exc = cf.exception()
             except BaseException as e:  # noqa: BLE001 (cancelled)
                 exc = e
-            if exc is not None:
-                ticket.release_now()
-                if self.broken is None:
-                    self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            if exc is not None and self.broken is None:
+                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
 
         self._submitted += 1
         try:
-            comm.submit(body()).add_done_callback(done)
+            self._comm.submit(host_side).add_done_callback(done)
         except BaseException:
             self._finished += 1
-            ticket.release_now()
+            self._kinds.leave("ordered")
+            host_side.close()
+            abandon()
             raise
         if after is not None:
             with torch.cuda.stream(stream):
                 after()
-        ticket.end.record(stream)  # wait() on another stream also waits for the copies back
-        return _EnqueuedWork(result, stream.device_index, stream.cuda_stream, ticket.end, self)
+        end = torch.cuda.Event()
+        end.record(stream)  # wait() on another stream also waits for the copies back
+        return _EnqueuedWork(result, stream.device_index, stream.cuda_stream, end, self)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -499,7 +552,7 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("all_reduce", [st.buf], {"op": op}, list(tensors))
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.all_reduce(st.buf, op), list(tensors), st.finish, [st.buf])
+        return self._collective("all_reduce", [st.buf, op], {}, list(tensors), st.finish, [st.buf])
 
     def _lane_all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any | None:
         """The hot path of dist.all_reduce inside one GPU island: checks, one enqueue, no Future. None where
@@ -574,7 +627,7 @@ class HetcclBackend(dist.ProcessGroup):
                     t.copy_(flat[off:off + n].view_as(t))
                     off += n
 
-        return self._launch(lambda: self._acomm.all_reduce(flat, op), list(tensors), after, [flat])
+        return self._collective("all_reduce", [flat, op], {}, list(tensors), after, [flat])
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
@@ -590,7 +643,7 @@ class HetcclBackend(dist.ProcessGroup):
                 for r, o in enumerate(outs):
                     o.copy_(flat[r * most:r * most + o.numel()].view_as(o))
 
-        return self._launch(lambda: self._acomm.all_gather(flat, src), output_tensors, after, [flat, src])
+        return self._collective("all_gather", [flat, src], {}, output_tensors, after, [flat, src])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         out, inp = _Staged(output), _Staged(input, writeback=False)
@@ -601,8 +654,8 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("all_gather", [out.buf.reshape(-1), inp.buf.reshape(-1)], {}, [output])
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.all_gather(out.buf.reshape(-1), inp.buf.reshape(-1)), [output],
-                            out.finish, [out.buf, inp.buf])
+        return self._collective("all_gather", [out.buf.reshape(-1), inp.buf.reshape(-1)], {}, [output], out.finish,
+                                [out.buf, inp.buf])
 
     all_gather_single = _allgather_base  # torch 2.13's name (older torch calls _allgather_base)
 
@@ -641,7 +694,7 @@ class HetcclBackend(dist.ProcessGroup):
                         o.copy_(flat[off:off + k].view_as(o))
                         off += k
 
-        return self._launch(lambda: self._acomm.all_gather(flat, flat_in), output_lists, after, [flat, flat_in])
+        return self._collective("all_gather", [flat, flat_in], {}, output_lists, after, [flat, flat_in])
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
@@ -665,7 +718,7 @@ class HetcclBackend(dist.ProcessGroup):
             _same_shapes(ins, out.buf, "reduce_scatter")
             flat, part, after = _flat(ins), out.buf.reshape(-1), out.finish
         _premul(flat, factor, inplace=True)
-        return self._launch(lambda: self._acomm.reduce_scatter(part, flat, op), output_tensors, after, [part, flat])
+        return self._collective("reduce_scatter", [part, flat, op], {}, output_tensors, after, [part, flat])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op, factor = _reduce_op(opts)
@@ -678,8 +731,8 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("reduce_scatter", [out.buf.reshape(-1), src], {"op": op}, [output])
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.reduce_scatter(out.buf.reshape(-1), src, op), [output], out.finish,
-                            [out.buf, src])
+        return self._collective("reduce_scatter", [out.buf.reshape(-1), src, op], {}, [output], out.finish,
+                                [out.buf, src])
 
     reduce_scatter_single = _reduce_scatter_base  # torch 2.13's name (older torch calls _reduce_scatter_base)
 
@@ -716,7 +769,7 @@ class HetcclBackend(dist.ProcessGroup):
             work = self._now("broadcast", [st.buf], {"root": root}, list(tensors))
             if work is not None:
                 return work
-        return self._launch(lambda: self._acomm.broadcast(st.buf, root), list(tensors), st.finish, [st.buf])
+        return self._collective("broadcast", [st.buf, root], {}, list(tensors), st.finish, [st.buf])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         op, factor = _reduce_op(opts)
