@@ -98,12 +98,14 @@ PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK":
 
 @needs_1
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("order", ["held", "stream"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_two_islands_every_op(path):
+def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
     and mismatches seen with both GPUs visible), on each cross-island path (with one GPU both islands share it,
-    rank i on GPU i % count, as the three- and four-island tests do)."""
-    env = {**TWO_ISLANDS, **PATHS[path]}
+    rank i on GPU i % count, as the three- and four-island tests do); "stream": HETCCL_TORCH_STREAM_ORDER=1
+    (ordered collectives mixed with the ops the loop does on the device)."""
+    env = {**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_STREAM_ORDER": "1" if order == "stream" else "0"}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)
     run_torchrun(2, "inflight", env=env, timeout=280)
@@ -169,8 +171,6 @@ def test_two_islands_fsdp2_recipe_matches_nccl(tmp_path, path, reduce_dtype):
 
 
 @needs_1
-@pytest.mark.xfail(run=False, reason="HETCCL_TORCH_STREAM_ORDER=1 hung on one H200 on 2026-12-03 (a rank's loop "
-                   "thread blocked while its caller's stream waited on the gate's word; issue 29)")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_two_islands_collectives_do_not_hold_the_thread(path):

@@ -499,30 +499,36 @@ def case_held() -> None:
     per = (time.perf_counter() - t0) * 1000 / 20
     count = 4 << 20  # 16 MiB of float32
     held = {}
-    for op in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
+    # the first round warms up (pinned staging buffers are allocated once, as NCCL sets up on first use); the
+    # second is measured
+    for op in [*(f"{o} warm-up" for o in ("all_reduce", "broadcast", "reduce_scatter", "all_gather")),
+               "all_reduce", "broadcast", "reduce_scatter", "all_gather"]:
         x = torch.full((count,), float(r + 1), device=dev)
         big = torch.empty(n * count, device=dev)
         dist.barrier()
         torch.cuda.synchronize()
         busy(50)
+        name = op.split()[0]
+        if name == "reduce_scatter":  # queued before the clock starts: only the collective is timed
+            big.fill_(float(r + 1))
         t0 = time.perf_counter()
-        if op == "all_reduce":
+        if name == "all_reduce":
             dist.all_reduce(x)
-        elif op == "broadcast":
+        elif name == "broadcast":
             dist.broadcast(x, src=0)
-        elif op == "reduce_scatter":
-            x = x[: count // n].clone()
-            dist.reduce_scatter_tensor(x, big.fill_(float(r + 1)))
+        elif name == "reduce_scatter":
+            dist.reduce_scatter_tensor(x, big)
         else:
             dist.all_gather_into_tensor(big, x)
-        held[op] = (time.perf_counter() - t0) * 1000
+        if op == name:
+            held[op] = (time.perf_counter() - t0) * 1000
         want = {"all_reduce": n * (n + 1) / 2, "broadcast": 1.0, "reduce_scatter": n * (n + 1) / 2}
-        if op == "all_gather":
+        if name == "all_gather":
             for q in range(n):
                 _eq(big[q * count:(q + 1) * count:4096], torch.full((count // 4096,), float(q + 1), device=dev),
                     f"all_gather part {q}")
         else:
-            _eq(x[::4096], torch.full((x.numel() // 4096,), want[op], device=dev), op)
+            _eq(x[::4096], torch.full((x.numel() // 4096,), want[name], device=dev), op)
     # the queued compute took ~50 ms; a held thread would have waited for it (generous: a loaded machine)
     for op, ms in held.items():
         assert ms < 25, f"rank {r}: {op} held the caller's thread {ms:.1f} ms (queued compute ~50 ms)"
@@ -537,6 +543,12 @@ def case_held() -> None:
     x.mul_(2)
     dist.all_reduce(x)
     _eq(x[::4096], torch.full((count // 4096,), 2.0 * n * n * (n + 1) / 2, device=dev), "chained all_reduce")
+    # a host-only collective right behind one whose root still waits for its copy: both in issue order everywhere
+    busy(20)
+    x.fill_(float(r + 7))
+    dist.broadcast(x, src=0)
+    dist.barrier()
+    _eq(x[::4096], torch.full((count // 4096,), 7.0, device=dev), "broadcast before a barrier")
     print(f"rank {r}: held ms " + ", ".join(f"{k} {v:.2f}" for k, v in held.items()), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -774,6 +786,10 @@ def case_label_mismatch() -> None:
 if __name__ == "__main__":
     case, args = sys.argv[1], sys.argv[2:]
     os.environ.setdefault("HETCCL_TIMEOUT", "60")
+    if os.environ.get("TEST_STACKS_AFTER"):  # debugging a hang: every thread's Python stack on stderr after N s
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["TEST_STACKS_AFTER"]), exit=False)
     globals()[f"case_{case}"](*args)
     # Every check passed and the process group is destroyed. Skip interpreter teardown: a rare (< 1 in 50)
     # "terminate called without an active exception" abort was seen there in a *gloo* rank on this 2-core
