@@ -109,7 +109,12 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
     return {anchor[0]: anchor[1:],
             "hetccl hosts": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts},
                              f"islands {islands}, HETCCL_HOST={hosts}: each rank its own host"),
-            "hetccl link": ("hetccl", {"TEST_ISLANDS": islands}, f"islands {islands}, {link}")}
+            "hetccl link": ("hetccl", {"TEST_ISLANDS": islands}, f"islands {islands}, {link}"),
+            "hetccl hosts ordered": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                                "HETCCL_TORCH_STREAM_ORDER": "1"},
+                                     "hetccl hosts, collectives ordered on the caller's stream"),
+            "hetccl link ordered": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_STREAM_ORDER": "1"},
+                                    "hetccl link, collectives ordered on the caller's stream")}
 
 
 # ------------------------------------------------------------------------------------------------ worker
