@@ -454,11 +454,12 @@ class FastPath:
             self._check_peers()
             await asyncio.sleep(SAFETY_S)
 
-    def try_all_reduce(self, group: Any, arr: Any, op: Any) -> Any:
+    def try_all_reduce(self, group: Any, arr: Any, op: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:
         """The facade's shortcut for an all_reduce of a plain numpy array (the torch backend's and most
         callers'): every check and the whole operation in one call, without the Buf and the fingerprint the
         general route builds. False: not for this path (nothing was taken; go the general route). True: done.
-        Otherwise an awaitable that ends it (the peers were not all there within the spin)."""
+        Otherwise an awaitable that ends it on `loop` (the peers were not all there within the spin). `loop`
+        given: called from another thread while nothing of `group` is in flight on that loop (sync.py)."""
         dt = _NP_DTYPES.get(arr.dtype)
         nbytes = arr.nbytes
         if dt is None or nbytes > self.limit or not nbytes:
@@ -488,7 +489,7 @@ class FastPath:
         if r == -3:  # posted; some peers sleep: wake them, then wait as any operation that went async does
             self._ring(self._mask[0])
         fp = Fingerprint(self.comm_id, seq, _ALL_REDUCE, int(dt), count, -1, int(rop))
-        mine = self.tail = asyncio.get_running_loop().create_future()
+        mine = self.tail = (loop or asyncio.get_running_loop()).create_future()
         return self._all_reduce_rest(group, fp, arr, (POSTED, k, prev, mine))
 
     async def _all_reduce_rest(self, group: Any, fp: Fingerprint, arr: Any, started: Any) -> None:

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
+
 from . import lifecycle
 from .errors import CollectiveTimeout
 
@@ -86,6 +88,10 @@ class SyncCommunicator:
         self.rank, self.size = comm.rank, comm.size
         self._limit = comm._settings.timeout + _SLACK_S
         self._closed = False
+        # calls and submissions of this communicator not yet done: while there are none, a small all_reduce may
+        # run on the caller's thread (all_reduce), since nothing on the loop numbers this group's collectives
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         if owner:  # closed at interpreter exit if the program does not (hetccl.lifecycle)
             lifecycle.track_sync(self)
 
@@ -111,7 +117,40 @@ class SyncCommunicator:
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Schedule a coroutine on the background loop; returns a concurrent.futures.Future."""
-        return asyncio.run_coroutine_threadsafe(coro, self._runner.loop)
+        self._count(1)
+        try:
+            cf = asyncio.run_coroutine_threadsafe(coro, self._runner.loop)
+        except BaseException:
+            self._count(-1)
+            raise
+        cf.add_done_callback(lambda _: self._count(-1))
+        return cf
+
+    def _count(self, d: int) -> None:
+        with self._pending_lock:
+            self._pending += d
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        self._count(1)
+        try:
+            return self._runner.call(coro, self._limit)
+        finally:
+            self._count(-1)
+
+    def all_reduce(self, buf: Any, op: Any = "sum") -> None:
+        """Communicator.all_reduce, blocking. A small numpy array of a group on the shared-memory fast path,
+        with nothing of this communicator in flight, is reduced on this thread (one C call): no hop to the loop
+        thread and back, which costs more than the operation. Issue order, mismatches and deadlines are the fast
+        path's own, as on the loop; if the peers are not all there within its spin, the loop finishes it."""
+        comm = self._comm
+        fast = comm._fast
+        if fast is not None and type(buf) is np.ndarray and not self._pending and not comm.flight.inflight:
+            done = fast.try_all_reduce(comm, buf, op, self._runner.loop)
+            if done is True:
+                return None
+            if done is not False:
+                return self._call(done)
+        return self._call(comm.all_reduce(buf, op))
 
     def __getattr__(self, name: str) -> Any:
         if name not in self._METHODS:
@@ -119,7 +158,7 @@ class SyncCommunicator:
         method = getattr(self._comm, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._runner.call(method(*args, **kwargs), self._limit)
+            return self._call(method(*args, **kwargs))
 
         call.__name__ = name
         call.__doc__ = method.__doc__

@@ -60,7 +60,8 @@ def test_torch_tensors() -> None:
 
 @pytest.mark.timeout(120)
 def test_sync_facade() -> None:
-    run_ranks(2, "workers:sync_facade")
+    proc = run_ranks(2, "workers:sync_facade")
+    assert proc.stdout.count("facade mismatch raised CollectiveMismatchError") == 2, proc.stdout
 
 
 @pytest.mark.timeout(120)

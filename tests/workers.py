@@ -250,12 +250,35 @@ async def errors(comm: hetccl.Communicator) -> None:
 
 async def sync_facade(**_: object) -> None:
     comm = hetccl.init_sync()
+    n = comm.size
     buf = np.ones(10, np.float64)
     comm.all_reduce(buf, op="sum")
-    check(buf, np.full(10, comm.size, np.float64), "sync all_reduce")
+    check(buf, np.full(10, n, np.float64), "sync all_reduce")
+    # small all_reduces (on the caller's thread where nothing is in flight) mixed with ones the loop runs (large,
+    # async through submit) and other collectives: results in order
+    pending = None
+    for i in range(120):
+        b = np.full(256, float(comm.rank + i), np.float32)
+        comm.all_reduce(b, op="max" if i % 3 == 2 else "sum")
+        want = float(n - 1 + i) if i % 3 == 2 else float(sum(r + i for r in range(n)))
+        check(b, np.full(256, want, np.float32), f"small all_reduce {i}")
+        if i % 40 == 0:
+            big = np.ones(1 << 20, np.float32)
+            pending = comm.submit(comm.async_comm.all_reduce(big))  # in flight while the next small one goes
+        elif i % 40 == 1:
+            pending.result(60)
+            check(big[::4096], np.full(256, n, np.float32), "large all_reduce")
+            comm.barrier()
     sub = comm.split(0)
     assert sub is not None and sub.size == comm.size
     sub.barrier()
+    # a mismatch through the facade still raises on every rank
+    try:
+        comm.all_reduce(np.ones(4, np.float32 if comm.rank == 0 else np.float64))
+    except hetccl.HetcclError as exc:
+        print(f"rank {comm.rank}: facade mismatch raised {type(exc).__name__}", flush=True)
+    else:
+        raise AssertionError("a dtype mismatch through the facade was not raised")
     comm.close()
 
 

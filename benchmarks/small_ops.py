@@ -1,0 +1,56 @@
+"""Per-op cost of a small host all_reduce through the async API and through the blocking facade (init_sync), side
+by side in one job, interleaved (issue 31): run it under hetccl's launcher,
+
+    hetccl run -n 2 python benchmarks/small_ops.py [--bytes 4096] [--iters 2000] [--reps 5]
+
+Rank 0 prints, per API, the median over repetitions of the mean time per operation (us), and the facade's
+overhead over the async API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import hetccl
+import numpy as np
+
+
+async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        await comm.all_reduce(buf)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bytes", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    comm = hetccl.init_sync()
+    buf = np.ones(a.bytes // 4, np.float32)
+    times: dict[str, list[float]] = {"async API": [], "facade": []}
+    for _ in range(200):
+        comm.all_reduce(buf)
+    for _ in range(a.reps):
+        comm.barrier()
+        times["async API"].append(comm.submit(_async_loop(comm.async_comm, buf, a.iters)).result(300))
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            comm.all_reduce(buf)
+        times["facade"].append((time.perf_counter() - t0) / a.iters * 1e6)
+    if comm.rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, v in times.items():
+            print(f"{k:>10}: median {med[k]:.1f} us/op ({' '.join(f'{x:.1f}' for x in v)})", flush=True)
+        print(f"facade overhead over the async API: {med['facade'] - med['async API']:+.1f} us "
+              f"({a.bytes} B, {comm.size} ranks)", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
