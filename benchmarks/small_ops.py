@@ -4,7 +4,10 @@ by side in one job, interleaved (issue 31): run it under hetccl's launcher,
     hetccl run -n 2 python benchmarks/small_ops.py [--bytes 4096] [--iters 2000] [--reps 5]
 
 Rank 0 prints, per API, the median over repetitions of the mean time per operation (us), and the facade's
-overhead over the async API.
+overhead over the async API. Through torch.distributed on CPU tensors (one backend per job; interleave jobs):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch hetccl
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch gloo
 """
 
 from __future__ import annotations
@@ -24,12 +27,38 @@ async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int) ->
     return (time.perf_counter() - t0) / iters * 1e6
 
 
+def torch_job(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if a.torch == "hetccl":
+        import hetccl.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group(a.torch)
+    t = torch.ones(a.bytes // 4)
+    for _ in range(200):
+        dist.all_reduce(t)
+    times = []
+    for _ in range(a.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            dist.all_reduce(t)
+        times.append((time.perf_counter() - t0) / a.iters * 1e6)
+    if dist.get_rank() == 0:
+        print(f"torch {a.torch}: median {statistics.median(times):.1f} us/op ({' '.join(f'{x:.1f}' for x in times)}; "
+              f"{a.bytes} B, {dist.get_world_size()} ranks)", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch", default="", help="through torch.distributed with this backend (under torchrun)")
     a = ap.parse_args()
+    if a.torch:
+        return torch_job(a)
     comm = hetccl.init_sync()
     buf = np.ones(a.bytes // 4, np.float32)
     times: dict[str, list[float]] = {"async API": [], "facade": []}

@@ -147,7 +147,8 @@ def _from_torch(t: Any, name: str, writable: bool) -> Buf:
     return Buf(data, dt, flat.numel(), t)
 
 
-_FAST: dict[np.dtype, DType] = {}
+# the hot path's numpy dtypes (native byte order): those of _NUMPY_DTYPES that this numpy has (no bfloat16)
+_FAST: dict[np.dtype, DType] = {np.dtype(n): dt for n, dt in _NUMPY_DTYPES.items() if hasattr(np, n)}
 
 
 def as_buf(obj: Any, name: str = "buffer", writable: bool = True) -> Buf:

@@ -137,6 +137,11 @@ class SyncCommunicator:
         finally:
             self._count(-1)
 
+    def idle(self) -> bool:
+        """Nothing of this communicator is in flight on the loop (submitted, called or started): a collective
+        may then run on the caller's thread (all_reduce; the torch backend's all_reduce of a CPU tensor)."""
+        return not self._pending and not self._comm.flight.inflight
+
     def all_reduce(self, buf: Any, op: Any = "sum") -> None:
         """Communicator.all_reduce, blocking. A small numpy array of a group on the shared-memory fast path,
         with nothing of this communicator in flight, is reduced on this thread (one C call): no hop to the loop
@@ -144,7 +149,7 @@ class SyncCommunicator:
         path's own, as on the loop; if the peers are not all there within its spin, the loop finishes it."""
         comm = self._comm
         fast = comm._fast
-        if fast is not None and type(buf) is np.ndarray and not self._pending and not comm.flight.inflight:
+        if fast is not None and type(buf) is np.ndarray and self.idle():
             done = fast.try_all_reduce(comm, buf, op, self._runner.loop)
             if done is True:
                 return None

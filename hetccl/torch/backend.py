@@ -123,6 +123,9 @@ _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
 # 1: a collective of CUDA tensors across islands is ordered on the caller's stream and returns at once
 # (gpu/streamorder.py), as inside one island; opt-in while FSDP2 over the link path is not yet right with it
 _STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
+# CPU tensors whose numpy view the shared-memory fast path reduces (numpy has no bfloat16)
+_HOST_NOW_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int8,
+                              torch.uint8})
 
 
 class _Staged:
@@ -542,6 +545,10 @@ class HetcclBackend(dist.ProcessGroup):
             if work is not None:
                 return work
         op, factor = _reduce_op(opts)
+        if len(tensors) == 1 and factor is None and tensors[0].device.type == "cpu":
+            work = self._host_now(tensors[0], op)
+            if work is not None:
+                return work
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         if tensors[0].layout == torch.sparse_coo:
@@ -569,6 +576,26 @@ class HetcclBackend(dist.ProcessGroup):
         stream = _raw_stream(dev)
         event = lane.all_reduce(t.data_ptr(), t.numel(), parse_dtype(t.dtype), op, stream)
         return _EnqueuedWork(tensors, dev, stream, event, lane.vc)
+
+    def _host_now(self, t: torch.Tensor, op: str) -> Any | None:
+        """A small all_reduce of a CPU tensor on the caller's thread (SyncCommunicator.all_reduce's rule: the
+        shared-memory fast path, nothing of this group in flight): no hop to the loop thread and back, which
+        costs more than the operation. None where the loop path must run it."""
+        comm = self._comm
+        if comm is None or self.broken is not None or self._submitted != self._finished or t.is_sparse \
+                or not t.is_contiguous() or t.dtype not in _HOST_NOW_DTYPES:
+            return None
+        fast = self._acomm._fast
+        if fast is None or not comm.idle():
+            return None
+        done = fast.try_all_reduce(self._acomm, t.detach().numpy(), op, comm.loop)
+        if done is False:
+            return None
+        if done is not True:  # the peers were not all there within the spin: the loop finishes it
+            return self._launch(lambda: done, [t])
+        fut = torch.futures.Future()
+        fut.set_result([t])
+        return _FutureWork(fut)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
         """Sparse COO all_reduce, SUM only (as Gloo): every rank's coalesced indices and values are gathered and
