@@ -29,6 +29,7 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, ReduceOp, as_buf
+from .errors import ConfigError
 from .gpu import pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
@@ -419,8 +420,10 @@ SCHEDULES: dict[str, Callable[..., Awaitable[None]]] = {
 
 # ---- ordered on the caller's stream (gpu/streamorder.py) ---------------------------------------------------------
 # Islands of one rank each: the device side (copies to and from pinned memory, words) is enqueued here, on the
-# caller's thread, and the host side is the host schedule above on the pinned copy, which issues the same
-# sub-collectives as any leader's (a CPU island's, or a GPU's through the loop), so every rank agrees.
+# caller's thread, and the host side is the host schedule above on the pinned copy. Its sub-collectives are a CPU
+# island's, not those of a GPU leader through the loop (the link, the device ring): every GPU rank must take this
+# path for the same calls, which the agreed HETCCL_TORCH_STREAM_ORDER and the conditions below (the same on every
+# rank, or an error) ensure.
 
 Planned = tuple[Any, Callable[[], Awaitable[None]]]  # (the streamorder.Stage, its host side's body)
 
@@ -439,8 +442,10 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
     if not bufs or any(b.framework != "torch" or b.count == 0 for b in bufs):
         return None
     words = streamorder.words_for(bufs[0].device)
-    if words is None:
-        return None
+    if words is None:  # not a silent fallback: the other ranks would run the ordered schedule
+        raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1 needs GPU stream memory operations on every rank, and "
+                          f"rank {group.rank} has none ({streamorder.unavailable_reason(bufs[0].device)}); unset "
+                          "HETCCL_TORCH_STREAM_ORDER on every rank")
     stage, body = plan(group, words, stream, *args)
     return _host_side(group, name, stage, body), lambda: stage.finish(False)
 

@@ -25,7 +25,6 @@ caller's thread only.
 from __future__ import annotations
 
 import asyncio
-import logging
 import mmap
 import threading
 import time
@@ -35,8 +34,6 @@ import numpy as np
 
 from ..errors import CollectiveTimeout, TransportError
 from .runtime import device_index, torch_mod
-
-log = logging.getLogger("hetccl")
 
 WORDS = 1 << 16  # words per device; a word is reused after WORDS others (a generation each time)
 POOL_KEEP = 16  # pinned buffers kept per device
@@ -116,12 +113,16 @@ class _Pinned:
 
 
 _WORDS: dict[int, Words | None] = {}
+_WHY: dict[int, str] = {}  # why a device has no words
 _WORDS_LOCK = threading.Lock()
 
 
+def unavailable_reason(device: Any) -> str:
+    return _WHY.get(device_index(device), "")
+
+
 def words_for(device: Any) -> Words | None:
-    """The device's words, or None where stream memory operations cannot be used (then cross-island
-    collectives hold the caller's thread until they end, as before; the reason is logged once)."""
+    """The device's words, or None where stream memory operations cannot be used (`unavailable_reason`)."""
     index = device_index(device)
     words = _WORDS.get(index, False)
     if words is not False:
@@ -136,7 +137,7 @@ def words_for(device: Any) -> Words | None:
             ops = load_streamops("hip" if getattr(torch.version, "hip", None) else "cuda")
             _WORDS[index] = Words(index, ops)
         except TransportError as exc:
-            log.info("hetccl: cross-island collectives hold the caller's thread until they end (%s)", exc)
+            _WHY[index] = str(exc)
             _WORDS[index] = None
         return _WORDS[index]
 
