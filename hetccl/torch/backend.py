@@ -435,7 +435,7 @@ class HetcclBackend(dist.ProcessGroup):
         # thread's own current stream), and copies back and the future's completion events are recorded on it
         stream = torch.cuda.current_stream(devices[0]) if devices else None
         if stream is not None and ordered is not None and bufs and _STREAM_ORDER and _CUDA_DIRECT \
-                and self._comm is not None and all(b.is_cuda for b in bufs) and not blocking():
+                and self._comm is not None and all(b.is_cuda for b in bufs):
             work = self._launch_ordered(ordered, result, after, stream)
             if work is not None:
                 return work
@@ -536,6 +536,10 @@ class HetcclBackend(dist.ProcessGroup):
                 after()
         end = torch.cuda.Event()
         end.record(stream)  # wait() on another stream also waits for the copies back
+        if blocking():  # HETCCL_GPU_BLOCKING=1 (on this rank alone, say): the same schedule, then wait for its end
+            end.synchronize()
+            if self.broken is not None:
+                raise self.broken
         return _EnqueuedWork(result, stream.device_index, stream.cuda_stream, end, self)
 
     # ---- collectives ---------------------------------------------------------------------------------
