@@ -33,6 +33,13 @@ def _same_dtype(a: Mem, b: Mem) -> None:
                           "use the same dtype for both")
 
 
+# the arguments of each hierarchical schedule that can be ordered on the caller's stream (hierarchical.SCHEDULES)
+_ORDERED_ARGS: dict[str, Callable[[list[DeviceBuf], int, ReduceOp], tuple[Any, ...]]] = {
+    "all_reduce": lambda b, root, op: (b[0], op), "broadcast": lambda b, root, op: (b[0], root),
+    "all_gather": lambda b, root, op: (b[0], b[1]), "reduce_scatter": lambda b, root, op: (b[0], b[1], op),
+}
+
+
 class Communicator(Group):
     """A group of ranks that run collectives together. Create with `await hetccl.init()`."""
 
@@ -186,10 +193,17 @@ class Communicator(Group):
         if self._vendor_now() is None or name not in VENDOR_OPS or not all(is_device(a) for a in args):
             return False
 
+        self._check_open()
+        bufs, root, op = self._device_call(name, args, kwargs)
+        return self.enqueue_vendor_now(name, bufs, root, op)
+
+    def _device_call(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[DeviceBuf], int, ReduceOp]:
+        """The checked device buffers, root and reduce op of a call from another thread (enqueue_now,
+        enqueue_ordered): positional `args` and keyword `kwargs` as the collective methods take them."""
+
         def arg(i: int, key: str, default: Any) -> Any:
             return kwargs[key] if key in kwargs else (args[i] if len(args) > i else default)
 
-        self._check_open()
         root, op = -1, ReduceOp.SUM
         if name in ("all_reduce", "broadcast", "reduce"):
             bufs = [as_device_buf(args[0], "buf")]
@@ -205,37 +219,23 @@ class Communicator(Group):
             else:
                 self._gathered(name, out, inp)
                 op = parse_op(arg(2, "op", "sum"))
-        return self.enqueue_vendor_now(name, bufs, root, op)
+        return bufs, root, op
 
     def enqueue_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any], stream: Any) -> Any:
         """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
         the methods take them) whose device side the calling thread enqueues on `stream` now; returns the
         coroutine of its host side, to run on hetccl's loop (the stream waits for it: gpu/streamorder.py), or
         None where the loop must do it all (one island, islands of several ranks, layout not built yet)."""
+        if name not in _ORDERED_ARGS:
+            return None
         tensors = args[:2] if name in ("all_gather", "reduce_scatter") else args[:1]
         if self._islands == 1 or self.island_layout is None or not all(is_device(a) for a in tensors):
             return None
-
-        def arg(i: int, key: str, default: Any) -> Any:
-            return kwargs[key] if key in kwargs else (args[i] if len(args) > i else default)
-
         self._check_open()
-        if name in ("all_reduce", "broadcast"):
-            bufs: list[Any] = [as_device_buf(args[0], "buf")]
-            bufs.append(parse_op(arg(1, "op", "sum")) if name == "all_reduce" else self._root(arg(1, "root", 0)))
-        elif name in ("all_gather", "reduce_scatter"):
-            out, inp = as_device_buf(args[0], "out"), as_device_buf(args[1], "inp")
-            if name == "all_gather":
-                self._gathered(name, inp, out)
-            else:
-                self._gathered(name, out, inp)
-            bufs = [out, inp] + ([parse_op(arg(2, "op", "sum"))] if name == "reduce_scatter" else [])
-        else:
-            return None
+        bufs, root, op = self._device_call(name, args, kwargs)
         for b in bufs:
-            if isinstance(b, DeviceBuf):
-                check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
-        return hierarchical.enqueue_ordered(self, name, tuple(bufs), stream)
+            check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
+        return hierarchical.enqueue_ordered(self, name, _ORDERED_ARGS[name](bufs, root, op), stream)
 
     # ---- point to point ------------------------------------------------------------------------------
     async def send(self, buf: Any, peer: int, tag: int = 0) -> None:
