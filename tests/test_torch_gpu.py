@@ -179,6 +179,16 @@ def test_two_islands_collectives_do_not_hold_the_thread(path):
     run_torchrun(2, "held", env={**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_STREAM_ORDER": "1"}, timeout=280)
 
 
+@needs_1
+@pytest.mark.timeout(300)
+def test_stream_order_refuses_lazy_module_loading():
+    """The user's own CUDA_MODULE_LOADING=LAZY with the stream order: a ConfigError on every rank at init,
+    not the deadlock of a first kernel launch behind an ordered collective."""
+    env = {**TWO_ISLANDS, "HETCCL_TORCH_STREAM_ORDER": "1", "CUDA_MODULE_LOADING": "LAZY"}
+    proc = run_torchrun(2, "lazy_loading_refused", env=env, timeout=200)
+    assert proc.stdout.count("ConfigError") == 2, proc.stdout
+
+
 # --- three and four islands (issue 16, item 4) ------------------------------------------------------------------
 # n processes under torchrun, every GPU visible, rank i is island nvidia-i on GPU i % device_count: with fewer GPUs
 # than islands, several islands share a GPU (each island's NCCL communicator has one rank), so one GPU will do.

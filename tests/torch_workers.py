@@ -540,6 +540,14 @@ def case_held() -> None:
         busy(20)
         work = dist.all_reduce(x, async_op=True)
     work.wait()  # the default stream now waits for it
+    # a kernel this process never launched, behind a collective still held on the stream: under lazy module
+    # loading its launch would wait for the GPU while holding the GIL, which the host side needs (a deadlock
+    # on 2026-12-04; gpu/streamorder.loading_problem); `import hetccl.torch` chose eager loading
+    assert os.environ.get("CUDA_MODULE_LOADING") == "EAGER", os.environ.get("CUDA_MODULE_LOADING")
+    busy(20)
+    y = torch.full((count,), float(r + 1), device=dev)
+    dist.all_reduce(y)
+    _eq(torch.special.bessel_j0(y[::4096] * 0), torch.ones(count // 4096, device=dev), "a first launch")
     x.mul_(2)
     dist.all_reduce(x)
     _eq(x[::4096], torch.full((count // 4096,), 2.0 * n * n * (n + 1) / 2, device=dev), "chained all_reduce")
@@ -780,6 +788,22 @@ def case_label_mismatch() -> None:
         print(f"ConfigError: {exc}", flush=True)
     else:
         raise AssertionError("CUDA tensors on a CPU island were accepted")
+    os._exit(0)
+
+
+def case_lazy_loading_refused() -> None:
+    """HETCCL_TORCH_STREAM_ORDER=1 with CUDA_MODULE_LOADING=LAZY set by the user: a ConfigError at init that
+    says what to set (the ordered host side needs the GIL that a lazily loading kernel launch holds)."""
+    from hetccl.errors import ConfigError
+
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    try:
+        _init()
+    except ConfigError as exc:
+        assert "CUDA_MODULE_LOADING=EAGER" in str(exc) and "HETCCL_TORCH_STREAM_ORDER" in str(exc), exc
+        print(f"ConfigError: {exc}", flush=True)
+    else:
+        raise AssertionError("the stream order was accepted under lazy module loading")
     os._exit(0)
 
 

@@ -36,6 +36,7 @@ CUresult cuEventRecord(CUevent event, CUstream stream);
 CUresult cuEventQuery(CUevent event);
 CUresult cuEventDestroy_v2(CUevent event);
 CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags);
+CUresult cuModuleGetLoadingMode(int *mode);
 
 typedef int hipError_t;
 hipError_t hipStreamWaitValue32(void *stream, void *ptr, unsigned int value, unsigned int flags,
@@ -55,6 +56,7 @@ HIP_WAIT_GTE = 0x0
 EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING / hipEventDisableTiming
 NOT_READY = 600  # CUDA_ERROR_NOT_READY / hipErrorNotReady
 HIP_MEMCPY_DEFAULT = 4
+LAZY_LOADING = 2  # CU_MODULE_LAZY_LOADING (CU_MODULE_EAGER_LOADING is 1)
 
 
 class Unavailable(TransportError):
@@ -159,6 +161,15 @@ class StreamOps:
             return False
         self._check(rc, "event query")
         return True
+
+    def lazy_loading(self) -> bool | None:
+        """Whether this process loads GPU modules lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2);
+        None where the driver cannot say (HIP, a CUDA driver older than 11.7)."""
+        get = _first(self.lib, "cuModuleGetLoadingMode") if self.vendor == "cuda" else None
+        if get is None:
+            return None
+        mode = self.ffi.new("int *")
+        return get(mode) == 0 and mode[0] == LAZY_LOADING
 
     def drop(self, event: int) -> None:
         if self.vendor == "cuda":

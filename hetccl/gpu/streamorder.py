@@ -121,6 +121,33 @@ def unavailable_reason(device: Any) -> str:
     return _WHY.get(device_index(device), "")
 
 
+def loading_problem() -> str:
+    """Why ordered collectives could deadlock in this process ("" where they cannot): CUDA's lazy module loading.
+
+    The host side of an ordered collective runs Python on hetccl's loop thread, so it needs the GIL. With lazy
+    loading, the first launch of a kernel waits for the GPU to drain, and torch makes that launch holding the
+    GIL: the drain waits for the held stream, the stream for the loop's word, the loop for the GIL. On one H200
+    (2026-12-04) FSDP2 over the link path hung so in AdamW's first `_foreach_mul_` launch on both ranks (py-spy:
+    the main threads in cuLaunchKernel holding the GIL, the loop threads waiting for it); with
+    CUDA_MODULE_LOADING=EAGER the same run passed. NCCL has no such cycle: its proxy thread is C, without a GIL."""
+    torch = torch_mod()
+    if getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return ""
+    from ..bindings.streamops import load_driver
+
+    try:
+        lazy = load_driver("cuda").lazy_loading()
+    except TransportError:
+        return ""  # no driver: words_for() says so where it matters
+    if not lazy:
+        return ""
+    return ("HETCCL_TORCH_STREAM_ORDER=1 needs CUDA_MODULE_LOADING=EAGER, and this process loads GPU modules "
+            "lazily: the first launch of a kernel would wait for a stream that waits for hetccl's loop thread, "
+            "which waits for the Python GIL that the launch holds. Set CUDA_MODULE_LOADING=EAGER in the "
+            "environment of every rank before CUDA starts (hetccl sets it at `import hetccl.torch` when CUDA has "
+            "not started and the variable is unset), or unset HETCCL_TORCH_STREAM_ORDER on every rank")
+
+
 def words_for(device: Any) -> Words | None:
     """The device's words, or None where stream memory operations cannot be used (`unavailable_reason`)."""
     index = device_index(device)

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import hetccl
 from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
+from hetccl.errors import ConfigError
+from hetccl.gpu import streamorder
 from hetccl.gpu.runtime import CALLER_STREAM, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
 
@@ -121,8 +123,13 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
 _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
 # 1: a collective of CUDA tensors across islands is ordered on the caller's stream and returns at once
-# (gpu/streamorder.py), as inside one island; opt-in while FSDP2 over the link path is not yet right with it
+# (gpu/streamorder.py), as inside one island; opt-in: it stages through host memory even where the islands
+# share a zero-copy link (FSDP2 over the link: 502 ms a step ordered, 100 ms held, one H200, 2026-12-04)
 _STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
+# ... which deadlocks under CUDA's lazy module loading (gpu/streamorder.loading_problem); torch picks LAZY at its
+# CUDA start only where the variable is unset, so choosing EAGER here, before that start, is the user's intent
+if _STREAM_ORDER and "CUDA_MODULE_LOADING" not in os.environ and not torch.cuda.is_initialized():
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 # CPU tensors whose numpy view the shared-memory fast path reduces (numpy has no bfloat16)
 _HOST_NOW_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int8,
                               torch.uint8})
@@ -343,6 +350,8 @@ class HetcclBackend(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta | None = None,
                  group_name: str = ""):
         super().__init__(rank, size)
+        if _STREAM_ORDER and (why := streamorder.loading_problem()):
+            raise ConfigError(why)
         self._rank, self._size = rank, size
         self._group_name = group_name
         self._group_desc = ""
