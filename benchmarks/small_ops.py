@@ -8,6 +8,11 @@ overhead over the async API. Through torch.distributed on CPU tensors (one backe
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch hetccl
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch gloo
+
+CUDA tensors (`--device cuda`: rank i on GPU i % count, one device synchronize after each repetition's loop):
+`TEST_ISLANDS=nvidia-0,nvidia-1` makes each rank its own island (indexed by rank, as the tests do), with
+`HETCCL_HOST=h0,h1` each its own host; `BENCH_NCCL_HOSTID=1` gives NCCL's ranks their own `NCCL_HOSTID` (two
+hosts over its sockets, so two ranks may share a GPU).
 """
 
 from __future__ import annotations
@@ -28,25 +33,43 @@ async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int) ->
 
 
 def torch_job(a: argparse.Namespace) -> None:
+    import os
+
     import torch
     import torch.distributed as dist
 
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("TEST_ISLANDS"):
+        os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[rank]
+    if os.environ.get("BENCH_NCCL_HOSTID"):
+        os.environ["NCCL_HOSTID"] = f"h{os.environ.get('LOCAL_RANK', '0')}"
     if a.torch == "hetccl":
         import hetccl.torch  # noqa: F401  (registers the backend)
-    dist.init_process_group(a.torch)
-    t = torch.ones(a.bytes // 4)
+    sync = lambda: None  # noqa: E731
+    if a.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        sync = torch.cuda.synchronize
+        dist.init_process_group(a.torch, device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group(a.torch)
+    t = torch.ones(a.bytes // 4, device=dev)
     for _ in range(200):
         dist.all_reduce(t)
+    sync()
     times = []
     for _ in range(a.reps):
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         for _ in range(a.iters):
             dist.all_reduce(t)
+        sync()
         times.append((time.perf_counter() - t0) / a.iters * 1e6)
     if dist.get_rank() == 0:
-        print(f"torch {a.torch}: median {statistics.median(times):.1f} us/op ({' '.join(f'{x:.1f}' for x in times)}; "
-              f"{a.bytes} B, {dist.get_world_size()} ranks)", flush=True)
+        print(f"torch {a.torch} ({a.device}): median {statistics.median(times):.1f} us/op "
+              f"({' '.join(f'{x:.1f}' for x in times)}; {a.bytes} B, {dist.get_world_size()} ranks)", flush=True)
     dist.destroy_process_group()
 
 
@@ -56,6 +79,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--torch", default="", help="through torch.distributed with this backend (under torchrun)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the tensor's device (--torch)")
     a = ap.parse_args()
     if a.torch:
         return torch_job(a)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, ReduceOp, as_buf
-from .errors import ConfigError
+from .errors import ConfigError, HetcclError
 from .gpu import pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
@@ -446,8 +446,79 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
         raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1 needs GPU stream memory operations on every rank, and "
                           f"rank {group.rank} has none ({streamorder.unavailable_reason(bufs[0].device)}); unset "
                           "HETCCL_TORCH_STREAM_ORDER on every rank")
+    if name in _LINK_PLANS and _pair_link_applies(group, lay, bufs[0]):
+        if lay.link is None:
+            return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
+        if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None and _rank_ordered(lay):
+            return _link_ordered(group, name, lay.link, words, stream, args)
     stage, body = plan(group, words, stream, *args)
     return _host_side(group, name, stage, body), lambda: stage.finish(False)
+
+
+def _pair_link_applies(group: Group, lay: Layout, b: DeviceBuf) -> bool:
+    """Whether the loop's schedule would join these two GPU leaders by the pair link (_zero_copy_link's
+    conditions, from the layout alone)."""
+    g = lay.leaders.members
+    fab = group.fabric
+    return (len(g) == 2 and registry.device_link(2) is pairlink.PairLink and fab.topology.same_host(g[0], g[1])
+            and all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g))
+
+
+def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any,
+                  args: tuple[Any, ...]) -> tuple[Coroutine[Any, Any, None], Callable[[], None]]:
+    """Two GPU leaders of one host, one rank each, joined by the GPU-signalled pair link: its whole
+    collective is enqueued here on the caller's stream, then a word; the host only waits for that word (the
+    deadline, a lost peer). No staging through host memory and no host step between the streams."""
+    if link.broken is not None:
+        raise link.broken
+    _, what, fingerprint = _LINK_PLANS[name](group, link, stream, *args)
+    end = words.take(1)[0]
+    words.signal(stream.cuda_stream, end)
+
+    async def host_side() -> None:
+        async with group.issue_order.turn(name, _deadline(group)):
+            group.next_fingerprint(*fingerprint)
+            try:
+                await streamorder.until(words, end, _deadline(group), what, link.check_peer)
+            except BaseException as exc:
+                link.release(exc)
+                raise
+
+    return host_side(), lambda: link.release(HetcclError(f"{what}: its host side never ran"))
+
+
+def _link_all_reduce(group: Group, link: Any, stream: Any, b: DeviceBuf, rop: ReduceOp) -> tuple[Any, str, tuple]:
+    t = as_tensor(b)
+    ev = link.enqueue_all_reduce(t, ReduceOp.SUM if rop == ReduceOp.AVG else rop, stream)
+    if rop == ReduceOp.AVG:
+        with torch_mod().cuda.stream(stream):
+            divide_inplace(t, group.size)
+    return ev, "cross-island all_reduce", (CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
+
+
+def _link_all_gather(group: Group, link: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf) -> tuple[Any, str, tuple]:
+    every, mine = as_tensor(out), as_tensor(inp)
+    k = mine.numel()
+    own = every[group.rank * k:(group.rank + 1) * k]
+    if own.data_ptr() != mine.data_ptr():
+        with torch_mod().cuda.stream(stream):
+            own.copy_(mine)
+    return link.enqueue_all_gather(every, stream), "cross-island all_gather", (CollOp.ALL_GATHER, None, k)
+
+
+def _link_reduce_scatter(group: Group, link: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf,
+                         rop: ReduceOp) -> tuple[Any, str, tuple]:
+    region, acc = as_tensor(out), as_tensor(inp)
+    ev = link.enqueue_reduce_scatter(region, acc, ReduceOp.SUM if rop == ReduceOp.AVG else rop, stream)
+    if rop == ReduceOp.AVG:
+        with torch_mod().cuda.stream(stream):
+            divide_inplace(region, group.size)
+    return ev, "cross-island reduce_scatter", (CollOp.REDUCE_SCATTER, None, out.count, -1, rop)
+
+
+_LINK_PLANS: dict[str, Callable[..., tuple[Any, str, tuple]]] = {
+    "all_reduce": _link_all_reduce, "all_gather": _link_all_gather, "reduce_scatter": _link_reduce_scatter,
+}
 
 
 def _raw(b: DeviceBuf) -> Any:

@@ -152,13 +152,17 @@ def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
 
 @needs_1
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("path,reduce_dtype", [(p, "float32") for p in sorted(PATHS)] + [("hosts", "bfloat16")])
+@pytest.mark.parametrize("path,reduce_dtype", [(p, "float32") for p in sorted(PATHS)] + [("hosts", "bfloat16")]
+                         + [("hosts-stream", "float32"), ("link-stream", "float32")])
 def test_two_islands_fsdp2_recipe_matches_nccl(tmp_path, path, reduce_dtype):
     """FSDP2 across two islands as recipes run it (bf16 parameters, fp32 or bf16 reduction, reshard_after_forward
     true and false, gradient accumulation, the distributed checkpoint's full and sharded state dicts) gives NCCL's
-    losses and state; with one GPU, NCCL runs the two ranks as two hosts (NCCL_HOSTID per rank)."""
+    losses and state; with one GPU, NCCL runs the two ranks as two hosts (NCCL_HOSTID per rank). "-stream":
+    HETCCL_TORCH_STREAM_ORDER=1 (over the link, the pair link's collectives enqueued on the caller's stream)."""
+    base, _, order = path.partition("-")
+    mine = {**TWO_ISLANDS, **PATHS[base], **({"HETCCL_TORCH_STREAM_ORDER": "1"} if order == "stream" else {})}
     res = {}
-    for backend, env in (("nccl", {**CUDA_ENV, "TEST_NCCL_HOSTS": "1"}), ("hetccl", {**TWO_ISLANDS, **PATHS[path]})):
+    for backend, env in (("nccl", {**CUDA_ENV, "TEST_NCCL_HOSTS": "1"}), ("hetccl", mine)):
         out = tmp_path / backend
         run_torchrun(2, "fsdp_recipe", backend, str(out), reduce_dtype, env=env, timeout=280)
         res[backend] = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]

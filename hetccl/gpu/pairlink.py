@@ -90,6 +90,8 @@ class PairLink(DeviceLink):
         self.scratch_used = [False] * SCRATCH  # whether a reduction read scratch[k] (event ev[3 + k])
         self.base_ptr = int(ffi.cast("uintptr_t", seg.cbase))
         self.ev: list[int] | None = None  # GPU-signalled mode's driver events, made on first use
+        self.device = device
+        self.tail: int | None = None  # the stream of the last collective enqueued (_after_previous)
         self.mapped: Any = None
         if ops is not None:
             base = seg.cbase + GPU_COUNTERS
@@ -114,12 +116,12 @@ class PairLink(DeviceLink):
         off = self.slot_offset(direction, seq)
         return self.host[off: off + self.slot_bytes]
 
-    def events(self, device: Any) -> list[int]:
-        """The GPU-signalled paths' driver events (start, sent, got, done per scratch), made on first use in
-        the device's context."""
+    def events(self) -> list[int]:
+        """The GPU-signalled paths' driver events (start, sent, got, done per scratch, the last collective's
+        end), made on first use in the link device's context."""
         if self.ev is None:
-            with torch_mod().cuda.device(device):
-                self.ev = [self.ops.event() for _ in range(3 + SCRATCH)]
+            with torch_mod().cuda.device(self.device):
+                self.ev = [self.ops.event() for _ in range(3 + SCRATCH + 1)]  # and the tail (_ended)
         return self.ev
 
     @classmethod
@@ -185,12 +187,53 @@ class PairLink(DeviceLink):
         """t = mine OP the other leader's, elementwise, ordered on `stream`; returns once complete."""
         if self.broken is not None:
             raise self.broken
-        if self.mapped is not None and 0 < t.numel() * t.element_size() <= min(DIRECT_BYTES, self.slot_bytes):
-            await self._all_reduce_direct(t, op, stream, deadline)
-        elif self.ops is not None:
-            await self._all_reduce_gpu(t, op, stream, deadline)
-        else:
+        if self.ops is None:
             await self._all_reduce_cpu(t, op, stream, deadline)
+            return
+        await self._finish(self.enqueue_all_reduce(t, op, stream), deadline, "cross-island all_reduce")
+
+    # ---- GPU-signalled: everything enqueued by the calling thread, then the host waits for the end ----------
+    # `enqueue_*` make CUDA calls only on the calling thread and return the driver event of the end (recorded
+    # on the caller's stream). The loop awaits it (`_finish`); a collective ordered on the caller's stream
+    # (hierarchical.enqueue_ordered) instead has the stream store a word and waits for that, with no CUDA call
+    # off the caller's thread and no host step at all between the two leaders' streams (NCCL's shape).
+
+    def enqueue_all_reduce(self, t: Any, op: ReduceOp, stream: Any) -> int:
+        if self.mapped is not None and 0 < t.numel() * t.element_size() <= min(DIRECT_BYTES, self.slot_bytes):
+            return self._all_reduce_direct(t, op, stream)
+        return self._exchange(t, t, op, stream)
+
+    def enqueue_all_gather(self, t: Any, stream: Any) -> int:
+        """t holds two equal halves, half `me` this leader's part: the other leader's lands in the other half."""
+        half = t.numel() // 2
+        mine, theirs = t[self.me * half:(self.me + 1) * half], t[self.peer * half:(self.peer + 1) * half]
+        return self._exchange(mine, theirs, None, stream)
+
+    def enqueue_reduce_scatter(self, out: Any, inp: Any, op: ReduceOp, stream: Any) -> int:
+        """out = half `me` of inp OP the other leader's half `me` (inp holds two halves of out's size; only read).
+        Each leader sends the half the other keeps: half of the buffer crosses, not an all_reduce's whole."""
+        half = out.numel()
+        with torch_mod().cuda.stream(stream):
+            out.copy_(inp[self.me * half:(self.me + 1) * half])
+        return self._exchange(inp[self.peer * half:(self.peer + 1) * half], out, op, stream)
+
+    def _after_previous(self, stream: int) -> None:
+        """Collectives on this link run in issue order whatever their streams (as NCCL's on its own stream):
+        its counters and slots are a sequence, which two collectives in flight on two streams would break."""
+        ev = self.events()[-1]
+        if self.tail is not None and self.tail != stream:
+            self.ops.wait_event(stream, ev)
+
+    def _ended(self, stream: int) -> None:
+        self.ops.record(self.events()[-1], stream)
+        self.tail = stream
+
+    async def _finish(self, last: int, deadline: float, what: str) -> None:
+        try:
+            await wait_event(RawEvent(self.ops, last), deadline, what, self.check_peer)
+        except BaseException as exc:
+            self.release(exc)
+            raise
 
     def _chunks(self, t: Any) -> list[tuple[int, int]]:
         # whole slots: cutting a 4 MiB message into four 1 MiB chunks (to overlap its copies and reduction)
@@ -199,7 +242,7 @@ class PairLink(DeviceLink):
         step = (self.slot_bytes // isz) * isz
         return [(off, min(step, n - off)) for off in range(0, n, step)]
 
-    async def _all_reduce_direct(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
+    def _all_reduce_direct(self, t: Any, op: ReduceOp, stream: Any) -> int:
         """One slot, one stream, no events: copy ours into our slot, publish, wait for the peer's, and reduce
         reading the peer's slot through the GPU's mapping of host memory; then hand the slot back. Small
         messages pay each cross-stream hop of the pipelined path in latency; this has none."""
@@ -207,6 +250,7 @@ class PairLink(DeviceLink):
         ops, me, peer = self.ops, self.me, self.peer
         n, cs = t.numel() * t.element_size(), stream.cuda_stream
         s_out, s_in = self.sent, self.received
+        self._after_previous(cs)
         if s_out >= SLOTS:
             ops.wait_geq(cs, self.dev_consumed[me], s_out - SLOTS + 1)
         ops.copy(self.slot_ptr(me, s_out), t.data_ptr(), n, cs)
@@ -216,41 +260,27 @@ class PairLink(DeviceLink):
         with torch.cuda.stream(stream):
             reduce_inplace(t, self.mapped[off: off + n].view(t.dtype), op)
         ops.write(cs, self.dev_consumed[peer], s_in + 1)
-        done = self.events(t.device)[0]
+        done = self.events()[0]
         ops.record(done, cs)
+        self._ended(cs)
         self.sent += 1
         self.received += 1
-        try:
-            await wait_event(RawEvent(ops, done), deadline, "cross-island all_reduce", self._check_peer)
-        except BaseException as exc:
-            self._release(exc)
-            raise
+        return done
 
     async def all_gather(self, t: Any, stream: Any, deadline: float) -> None:
-        """t holds two equal halves, half `me` this leader's part on entry: the other leader's lands in the other
-        half. GPU-signalled links only (the caller stages otherwise)."""
+        """enqueue_all_gather, then wait for its end. GPU-signalled links only (the caller stages otherwise)."""
         if self.broken is not None:
             raise self.broken
-        half = t.numel() // 2
-        mine, theirs = t[self.me * half:(self.me + 1) * half], t[self.peer * half:(self.peer + 1) * half]
-        await self._exchange(mine, theirs, None, stream, deadline, "cross-island all_gather")
+        await self._finish(self.enqueue_all_gather(t, stream), deadline, "cross-island all_gather")
 
     async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
-        """out = half `me` of inp OP the other leader's half `me` (inp holds two halves of out's size; only read).
-        Each leader sends the half the other keeps: half of the buffer crosses, not an all_reduce's whole."""
+        """enqueue_reduce_scatter, then wait for its end. GPU-signalled links only."""
         if self.broken is not None:
             raise self.broken
-        half = out.numel()
-        with torch_mod().cuda.stream(stream):
-            out.copy_(inp[self.me * half:(self.me + 1) * half])
-        await self._exchange(inp[self.peer * half:(self.peer + 1) * half], out, op, stream, deadline,
-                             "cross-island reduce_scatter")
+        await self._finish(self.enqueue_reduce_scatter(out, inp, op, stream), deadline,
+                           "cross-island reduce_scatter")
 
-    async def _all_reduce_gpu(self, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
-        await self._exchange(t, t, op, stream, deadline, "cross-island all_reduce")
-
-    async def _exchange(self, send: Any, recv: Any, op: ReduceOp | None, stream: Any, deadline: float,
-                        what: str) -> None:
+    def _exchange(self, send: Any, recv: Any, op: ReduceOp | None, stream: Any) -> int:
         """Everything enqueued at once: per chunk of `send`, the sender's copy stream waits for a free slot (the
         peer's consumed counter), copies, and publishes (produced counter); the receiver's copy stream waits for
         the peer's produced counter and copies the slot, into `recv` itself (op None) or into scratch, then frees
@@ -259,11 +289,14 @@ class PairLink(DeviceLink):
         and events are raw driver calls: the enqueue must stay well ahead of the copy engines."""
         torch = torch_mod()
         chunks = self._chunks(send)
-        if not chunks:
-            return
         ops, me, peer = self.ops, self.me, self.peer
-        ev_start, ev_sent, ev_got, *ev_done = self.events(send.device)
+        ev_start, ev_sent, ev_got, *ev_done = self.events()[:3 + SCRATCH]
         d2h, h2d, cs = self.d2h.cuda_stream, self.h2d.cuda_stream, stream.cuda_stream
+        self._after_previous(cs)
+        if not chunks:
+            self._ended(cs)
+            ops.record(ev_start, cs)
+            return ev_start
         ops.record(ev_start, cs)
         ops.wait_event(d2h, ev_start)  # our data as the caller's queued work leaves it
         if op is None:
@@ -306,18 +339,15 @@ class PairLink(DeviceLink):
             self.scratch_used[0] = True
         else:
             last = ev_done[(len(chunks) - 1) % SCRATCH]
+        self._ended(cs)
         self.sent += len(chunks)
         self.received += len(chunks)
-        try:
-            await wait_event(RawEvent(ops, last), deadline, what, self._check_peer)
-        except BaseException as exc:
-            self._release(exc)
-            raise
+        return last
 
-    def _check_peer(self) -> None:
+    def check_peer(self) -> None:
         raise_if_lost(self.lost, "cross-island link")
 
-    def _release(self, exc: BaseException) -> None:
+    def release(self, exc: BaseException) -> None:
         """The collective failed with work still queued: overwrite every counter far ahead so that no copy
         stream waits forever on a peer that will not come, and refuse further use."""
         self.broken = self.broken or exc
@@ -368,7 +398,7 @@ class PairLink(DeviceLink):
                     reduce_inplace(raw[off: off + size].view(t.dtype), scratch[:size].view(t.dtype), op)
                 copied.put_nowait((seq, ev))
 
-        async def release() -> None:
+        async def hand_back() -> None:
             """Hand each slot back as soon as its copy to the device is done (not its reduction)."""
             for _ in chunks:
                 seq, ev = await copied.get()
@@ -376,7 +406,7 @@ class PairLink(DeviceLink):
                 self.lib.hccl_store_release(self.consumed[in_d], seq + 1)
 
         tasks = [asyncio.ensure_future(produce()), asyncio.ensure_future(consume()),
-                 asyncio.ensure_future(release())]
+                 asyncio.ensure_future(hand_back())]
         try:
             await asyncio.gather(*tasks)
         finally:

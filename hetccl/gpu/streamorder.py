@@ -28,6 +28,7 @@ import asyncio
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from .runtime import device_index, torch_mod
 WORDS = 1 << 16  # words per device; a word is reused after WORDS others (a generation each time)
 POOL_KEEP = 16  # pinned buffers kept per device
 POLL_S = 20e-6  # the watcher's pause between looks at the words it waits for
+CHECK_S = 0.05  # until()'s pause between looks for a lost peer
 
 
 class Words:
@@ -214,6 +216,25 @@ def _settle(fut: asyncio.Future) -> None:
 
 
 _WATCHER = _Watcher()
+
+
+async def until(words: Words, word: tuple[int, int], deadline: float, what: str,
+                check: Callable[[], None] | None = None) -> None:
+    """Wait on the loop until a stream has stored `word`; every CHECK_S calls check() (it raises where a peer
+    was lost), and past the deadline raise CollectiveTimeout."""
+    loop = asyncio.get_running_loop()
+    fut = _WATCHER.wait(words, word)
+    try:
+        while not fut.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise CollectiveTimeout(f"{what} did not end before the deadline (HETCCL_TIMEOUT)")
+            await asyncio.wait([fut], timeout=min(CHECK_S, left))
+            if check is not None and not fut.done():
+                check()
+    finally:
+        if not fut.done():
+            fut.cancel()  # the watcher drops it
 
 
 class Stage:
