@@ -331,7 +331,8 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "memory instead of hetccl's device path", "hetccl.torch.backend", choices=("direct", "staged")),
     _P("HETCCL_TORCH_STREAM_ORDER", "bool", False, "`1` (opt-in): a torch all_reduce, broadcast, all_gather or "
        "reduce_scatter of CUDA tensors across islands of one rank each is ordered on the caller's stream and returns "
-       "at once, instead of holding the caller's thread in wait() until it ends (set it on every rank)",
+       "at once, instead of holding the caller's thread in wait() until it ends (set it on every rank; it needs "
+       "`CUDA_MODULE_LOADING=EAGER`, which `import hetccl.torch` sets before CUDA starts)",
        "hetccl.torch.backend", agree=True),
     _P("HETCCL_TORCH_ALIAS", "list", [], "torch backend names (`nccl`, `gloo`) that mean hetccl; set by `hetccl "
        "run --torch-backend-alias`", "hetccl.torch.alias.sitecustomize", parse=lambda t: [
