@@ -2,6 +2,7 @@
 by side in one job, interleaved (issue 31): run it under hetccl's launcher,
 
     hetccl run -n 2 python benchmarks/small_ops.py [--bytes 4096] [--iters 2000] [--reps 5]
+    TEST_ISLANDS=cpu-0,cpu-1 hetccl run -n 2 python benchmarks/small_ops.py     # each rank its own CPU island
 
 Rank 0 prints, per API, the median over repetitions of the mean time per operation (us), and the facade's
 overhead over the async API. Through torch.distributed on CPU tensors (one backend per job; interleave jobs):
@@ -18,6 +19,7 @@ hosts over its sockets, so two ranks may share a GPU).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -33,8 +35,6 @@ async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int) ->
 
 
 def torch_job(a: argparse.Namespace) -> None:
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -83,6 +83,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.torch:
         return torch_job(a)
+    if os.environ.get("TEST_ISLANDS"):  # each rank its island, by rank: TEST_ISLANDS=cpu-0,cpu-1
+        os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["HETCCL_RANK"])]
     comm = hetccl.init_sync()
     buf = np.ones(a.bytes // 4, np.float32)
     times: dict[str, list[float]] = {"async API": [], "facade": []}

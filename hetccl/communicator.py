@@ -86,11 +86,21 @@ class Communicator(Group):
         await hierarchical.run(self, name, *args)
 
     # ---- collectives ---------------------------------------------------------------------------------
+    def fast_all_reduce(self, arr: np.ndarray, op: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:
+        """A small all_reduce of numpy array `arr` on the shared-memory fast path, checks and all in one call.
+        False: not for this path (nothing was taken). True: done. Otherwise an awaitable that ends it on
+        `loop` (default: the running loop; given: called from another thread with nothing in flight). Across
+        islands (CPU islands of one rank on one host: hierarchical.all_reduce is then the flat one) only with
+        no collective across islands in flight, whose later steps would take fast-path numbers after it."""
+        fast = self._fast
+        if fast is None or (self._islands > 1 and not self.issue_order.idle()):
+            return False
+        return fast.try_all_reduce(self, arr, op, loop)
+
     async def all_reduce(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """In place: every rank ends with the reduction of all ranks' `buf`."""
-        fast = self._fast
-        if fast is not None and type(buf) is np.ndarray:  # small host collectives: checks and all in one call
-            done = fast.try_all_reduce(self, buf, op)
+        if type(buf) is np.ndarray:  # small host collectives: checks and all in one call
+            done = self.fast_all_reduce(buf, op)
             if done is True:
                 return
             if done is not False:

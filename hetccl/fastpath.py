@@ -69,6 +69,7 @@ from . import observe as _obs
 from .dtypes import _FAST as _NP_DTYPES
 from .dtypes import DType, ReduceOp, parse_op
 from .errors import HetcclError, PeerLostError, TransportError
+from .gpu.dispatch import vendor_of
 from .matching import mismatch_error
 from .shmseg import Segment
 from .wire import CollOp, Fingerprint
@@ -103,7 +104,11 @@ def limit_for(group: Any) -> int:
     limit = params.get("HETCCL_SHM_FASTPATH_BYTES")
     fab = group.fabric
     # HETCCL_ALGO names the host algorithm to run: the fast path, which is none of them, stays out of its way
-    if not limit or group.size < 2 or group._islands != 1 or not fab.topology.hosts or group._override:
+    if not limit or group.size < 2 or not fab.topology.hosts or group._override:
+        return 0
+    # several islands: only CPU islands of one rank each, whose hierarchical collectives are this group's own
+    # flat ones (hierarchical.all_reduce); elsewhere their steps run on other groups, or on devices
+    if group._islands != 1 and (group._islands != group.size or any(vendor_of(x) is not None for x in group._labels)):
         return 0
     me = fab.rank
     # every rank reads all n parts, where a ring moves about two: past 4 ranks the ring's per-step cost is the

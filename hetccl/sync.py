@@ -148,9 +148,8 @@ class SyncCommunicator:
         thread and back, which costs more than the operation. Issue order, mismatches and deadlines are the fast
         path's own, as on the loop; if the peers are not all there within its spin, the loop finishes it."""
         comm = self._comm
-        fast = comm._fast
-        if fast is not None and type(buf) is np.ndarray and self.idle():
-            done = fast.try_all_reduce(comm, buf, op, self._runner.loop)
+        if type(buf) is np.ndarray and self.idle():
+            done = comm.fast_all_reduce(buf, op, self._runner.loop)
             if done is True:
                 return None
             if done is not False:

@@ -59,8 +59,12 @@ def test_torch_tensors() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sync_facade() -> None:
-    proc = run_ranks(2, "workers:sync_facade")
+@pytest.mark.parametrize("islands", ["one", "two"])
+def test_sync_facade(islands: str) -> None:
+    """The blocking facade; "two": each rank its own CPU island, so its small all_reduces take the leaders'
+    fast path on the caller's thread (hierarchical.fast_all_reduce), mixed with ones the loop runs."""
+    env = {"TEST_ISLANDS": "cpu-0,cpu-1"} if islands == "two" else None
+    proc = run_ranks(2, "workers:sync_facade", env=env)
     assert proc.stdout.count("facade mismatch raised CollectiveMismatchError") == 2, proc.stdout
 
 

@@ -259,8 +259,10 @@ async def sync_facade(**_: object) -> None:
     pending = None
     for i in range(120):
         b = np.full(256, float(comm.rank + i), np.float32)
-        comm.all_reduce(b, op="max" if i % 3 == 2 else "sum")
-        want = float(n - 1 + i) if i % 3 == 2 else float(sum(r + i for r in range(n)))
+        op = "max" if i % 3 == 2 else "avg" if i % 5 == 4 else "sum"
+        comm.all_reduce(b, op=op)
+        total = float(sum(r + i for r in range(n)))
+        want = {"max": float(n - 1 + i), "sum": total, "avg": total / n}[op]
         check(b, np.full(256, want, np.float32), f"small all_reduce {i}")
         if i % 40 == 0:
             big = np.ones(1 << 20, np.float32)

@@ -598,10 +598,9 @@ class HetcclBackend(dist.ProcessGroup):
         if comm is None or self.broken is not None or self._submitted != self._finished or t.is_sparse \
                 or not t.is_contiguous() or t.dtype not in _HOST_NOW_DTYPES:
             return None
-        fast = self._acomm._fast
-        if fast is None or not comm.idle():
+        if not comm.idle():
             return None
-        done = fast.try_all_reduce(self._acomm, t.detach().numpy(), op, comm.loop)
+        done = self._acomm.fast_all_reduce(t.detach().numpy(), op, comm.loop)
         if done is False:
             return None
         if done is not True:  # the peers were not all there within the spin: the loop finishes it
