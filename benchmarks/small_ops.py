@@ -3,6 +3,7 @@ by side in one job, interleaved (issue 31): run it under hetccl's launcher,
 
     hetccl run -n 2 python benchmarks/small_ops.py [--bytes 4096] [--iters 2000] [--reps 5]
     TEST_ISLANDS=cpu-0,cpu-1 hetccl run -n 2 python benchmarks/small_ops.py     # each rank its own CPU island
+    hetccl run -n 2 python benchmarks/small_ops.py --op broadcast|all_gather|barrier
 
 Rank 0 prints, per API, the median over repetitions of the mean time per operation (us), and the facade's
 overhead over the async API. Through torch.distributed on CPU tensors (one backend per job; interleave jobs):
@@ -22,15 +23,30 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import hetccl
 import numpy as np
 
 
-async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int) -> float:
+def _calls(comm: Any, buf: np.ndarray, op: str) -> Callable[[], Any]:
+    """One small `op` on `comm` (a Communicator: a coroutine; a SyncCommunicator: done)."""
+    if op == "broadcast":
+        return lambda: comm.broadcast(buf, 0)
+    if op == "all_gather":
+        out = np.empty(buf.size * comm.size, buf.dtype)
+        return lambda: comm.all_gather(out, buf)
+    if op == "barrier":
+        return comm.barrier
+    return lambda: comm.all_reduce(buf)
+
+
+async def _async_loop(comm: hetccl.Communicator, buf: np.ndarray, iters: int, op: str) -> float:
+    call = _calls(comm, buf, op)
     t0 = time.perf_counter()
     for _ in range(iters):
-        await comm.all_reduce(buf)
+        await call()
     return (time.perf_counter() - t0) / iters * 1e6
 
 
@@ -80,6 +96,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--torch", default="", help="through torch.distributed with this backend (under torchrun)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the tensor's device (--torch)")
+    ap.add_argument("--op", choices=("all_reduce", "broadcast", "all_gather", "barrier"), default="all_reduce",
+                    help="the collective (without --torch)")
     a = ap.parse_args()
     if a.torch:
         return torch_job(a)
@@ -88,22 +106,23 @@ def main() -> None:
     comm = hetccl.init_sync()
     buf = np.ones(a.bytes // 4, np.float32)
     times: dict[str, list[float]] = {"async API": [], "facade": []}
+    call = _calls(comm, buf, a.op)
     for _ in range(200):
-        comm.all_reduce(buf)
+        call()
     for _ in range(a.reps):
         comm.barrier()
-        times["async API"].append(comm.submit(_async_loop(comm.async_comm, buf, a.iters)).result(300))
+        times["async API"].append(comm.submit(_async_loop(comm.async_comm, buf, a.iters, a.op)).result(300))
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(a.iters):
-            comm.all_reduce(buf)
+            call()
         times["facade"].append((time.perf_counter() - t0) / a.iters * 1e6)
     if comm.rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         for k, v in times.items():
             print(f"{k:>10}: median {med[k]:.1f} us/op ({' '.join(f'{x:.1f}' for x in v)})", flush=True)
         print(f"facade overhead over the async API: {med['facade'] - med['async API']:+.1f} us "
-              f"({a.bytes} B, {comm.size} ranks)", flush=True)
+              f"({a.op}, {a.bytes} B, {comm.size} ranks)", flush=True)
     comm.close()
 
 

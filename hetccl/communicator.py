@@ -83,6 +83,10 @@ class Communicator(Group):
         for b in bufs:
             if isinstance(b, DeviceBuf):
                 check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
+        if self._fast is not None and not isinstance(bufs[0], DeviceBuf):
+            # CPU islands of one rank on one host (fastpath.limit_for): the schedule would be the leaders' step
+            # alone on this very group, so it is the flat collective, fast path and all
+            return await self._flat_in_turn(name, lambda: getattr(self, f"flat_{name}")(*args))
         await hierarchical.run(self, name, *args)
 
     # ---- collectives ---------------------------------------------------------------------------------
@@ -112,27 +116,52 @@ class Communicator(Group):
 
     async def all_gather(self, out: Any, inp: Any) -> None:
         """out (size * len(inp) elements) receives every rank's inp, rank-major."""
-        o, i = _mem(out, "out"), _mem(inp, "inp", writable=False)
-        self._gathered("all_gather", i, o)
+        o, i = self._all_gather_args(out, inp)
         if self._islands > 1:
             return await self._across("all_gather", o, i)
         await self.flat_all_gather(o, i)
 
+    def _all_gather_args(self, out: Any, inp: Any) -> tuple[Mem, Mem]:
+        o, i = _mem(out, "out"), _mem(inp, "inp", writable=False)
+        self._gathered("all_gather", i, o)
+        return o, i
+
     async def reduce_scatter(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """out (k elements) receives block `rank` of the reduction of every rank's inp (size * k)."""
-        o, i, rop = _mem(out, "out"), _mem(inp, "inp", writable=False), parse_op(op)
-        self._gathered("reduce_scatter", o, i)
+        o, i, rop = self._reduce_scatter_args(out, inp, op)
         if self._islands > 1:
             return await self._across("reduce_scatter", o, i, rop)
         await self.flat_reduce_scatter(o, i, rop)
 
+    def _reduce_scatter_args(self, out: Any, inp: Any, op: ReduceOp | str = ReduceOp.SUM) -> tuple[Mem, Mem, ReduceOp]:
+        o, i, rop = _mem(out, "out"), _mem(inp, "inp", writable=False), parse_op(op)
+        self._gathered("reduce_scatter", o, i)
+        return o, i, rop
+
     async def broadcast(self, buf: Any, root: int = 0) -> None:
         """Every rank's buf becomes root's buf."""
-        root = self._root(root)
-        b = _mem(buf, "buf", writable=(self.rank != root))
+        b, root = self._broadcast_args(buf, root)
         if self._islands > 1:
             return await self._across("broadcast", b, root)
         await self.flat_broadcast(b, root)
+
+    def _broadcast_args(self, buf: Any, root: int = 0) -> tuple[Mem, int]:
+        root = self._root(root)
+        return _mem(buf, "buf", writable=(self.rank != root)), root
+
+    def fast_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  loop: asyncio.AbstractEventLoop) -> Any:
+        """The blocking facade's shortcut for a small host broadcast, all_gather, reduce_scatter or barrier
+        (arguments as the methods take them, checked as they check them) from a thread other than `loop`'s,
+        with nothing of this communicator in flight: on the fast path, on that thread. False where it does not
+        apply (nothing was taken), True once done, else a coroutine that ends it on `loop`."""
+        parse = _FAST_CALLS.get(name)
+        if parse is None or self._fast is None or (self._islands > 1 and not self.issue_order.idle()):
+            return False
+        parsed = parse(self, *args, **kwargs)
+        if any(isinstance(a, DeviceBuf) for a in parsed):
+            return False
+        return self.fast_now(name, parsed, loop)
 
     async def reduce(self, buf: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> None:
         """root's buf becomes the reduction of every rank's buf; other ranks' buffers are left unchanged."""
@@ -344,3 +373,10 @@ class Communicator(Group):
             for c in self._children:
                 c._closed = True
             await self._fabric.close(barrier_s=timeout)
+
+
+# the facade's caller-thread collectives besides all_reduce (Communicator.fast_call): each method's own checks
+_FAST_CALLS: dict[str, Callable[..., tuple[Any, ...]]] = {
+    "all_gather": Communicator._all_gather_args, "reduce_scatter": Communicator._reduce_scatter_args,
+    "broadcast": Communicator._broadcast_args, "barrier": lambda self: (),
+}

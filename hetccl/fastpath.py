@@ -336,11 +336,11 @@ class FastPath:
         if mask:
             self._ring(mask)
 
-    def now(self, fp: Fingerprint, src: Any, nbytes: int) -> Any:
+    def now(self, fp: Fingerprint, src: Any, nbytes: int, loop: asyncio.AbstractEventLoop | None = None) -> Any:
         """Start operation fp synchronously (called right after the group numbered it). Returns its number k
         when every rank published it with the same fingerprint within the spin: combine, and that is all.
         Otherwise a tuple (POSTED or NOT_STARTED, k, prev, mine) for `finish`, which the caller runs under the
-        scheduler."""
+        scheduler. `loop` given: called from another thread, with nothing of the group in flight on `loop`."""
         k = self.k
         self.k = k + 1
         prev = self.tail
@@ -358,7 +358,7 @@ class FastPath:
             state = POSTED
         else:
             state = NOT_STARTED
-        mine = self.tail = asyncio.get_running_loop().create_future()
+        mine = self.tail = (loop or asyncio.get_running_loop()).create_future()
         return state, k, prev, mine
 
     async def all_reduce_pieces(self, fp: Fingerprint, data: np.ndarray, count: int, dtype: DType,

@@ -108,11 +108,6 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
     lay = await layout(group)
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     members = lay.my_members
-    if isinstance(b, Buf) and lay.leaders is group and group._fast is not None and stage is None:
-        # CPU islands of one rank on one host: the leaders' step is all there is, so this is the flat
-        # all_reduce, on the group's shared-memory fast path (fastpath.limit_for), as the facade's shortcut
-        # (Communicator.fast_all_reduce) runs it on the caller's thread
-        return await group.flat_all_reduce(b, rop)
     if isinstance(b, Buf):
         group.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
         if len(members) > 1:

@@ -160,8 +160,15 @@ class SyncCommunicator:
         if name not in self._METHODS:
             raise AttributeError(name)
         method = getattr(self._comm, name)
+        comm, loop = self._comm, self._runner.loop
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if self.idle():  # a small host collective: on this thread (Communicator.fast_call), as all_reduce
+                done = comm.fast_call(name, args, kwargs, loop)
+                if done is True:
+                    return None
+                if done is not False:
+                    return self._call(done)
             return self._call(method(*args, **kwargs))
 
         call.__name__ = name

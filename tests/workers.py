@@ -271,6 +271,23 @@ async def sync_facade(**_: object) -> None:
             pending.result(60)
             check(big[::4096], np.full(256, n, np.float32), "large all_reduce")
             comm.barrier()
+    # the other small collectives on the caller's thread too, with one in flight on the loop now and then
+    for i in range(30):
+        x = np.full(8, float(comm.rank + i), np.float32)
+        comm.broadcast(x, root=i % n)
+        check(x, np.full(8, float(i % n + i), np.float32), f"small broadcast {i}")
+        out = np.empty(8 * n, np.float32)
+        comm.all_gather(out, np.full(8, float(comm.rank + i), np.float32))
+        check(out, np.repeat(np.arange(n, dtype=np.float32) + i, 8), f"small all_gather {i}")
+        part = np.empty(8, np.float32)
+        comm.reduce_scatter(part, np.arange(8 * n, dtype=np.float32) + comm.rank)
+        want = n * (np.arange(8, dtype=np.float32) + 8 * comm.rank) + sum(range(n))
+        check(part, want.astype(np.float32), f"small reduce_scatter {i}")
+        if i % 10 == 0:
+            pending = comm.submit(comm.async_comm.broadcast(big, 0))
+        comm.barrier()
+        if i % 10 == 0:
+            pending.result(60)
     sub = comm.split(0)
     assert sub is not None and sub.size == comm.size
     sub.barrier()

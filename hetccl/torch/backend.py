@@ -600,13 +600,26 @@ class HetcclBackend(dist.ProcessGroup):
             return None
         if not comm.idle():
             return None
-        done = self._acomm.fast_all_reduce(t.detach().numpy(), op, comm.loop)
+        return self._host_done(self._acomm.fast_all_reduce(t.detach().numpy(), op, comm.loop), [t])
+
+    def _host_call(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> Any | None:
+        """A small broadcast, all_gather, reduce_scatter or barrier of CPU tensors on the caller's thread
+        (Communicator.fast_call), by _host_now's rule. None where the loop path must run it."""
+        comm = self._comm
+        if comm is None or self.broken is not None or self._submitted != self._finished or not comm.idle() \
+                or any(t.device.type != "cpu" for t in args):
+            return None
+        return self._host_done(self._acomm.fast_call(name, tuple(args), kwargs, comm.loop), result)
+
+    def _host_done(self, done: Any, result: Any) -> Any | None:
+        """The Work of a caller-thread collective: None (not taken), done, or ended by the loop (the peers were
+        not all there within the spin)."""
         if done is False:
             return None
-        if done is not True:  # the peers were not all there within the spin: the loop finishes it
-            return self._launch(lambda: done, [t])
+        if done is not True:
+            return self._launch(lambda: done, result)
         fut = torch.futures.Future()
-        fut.set_result([t])
+        fut.set_result(result)
         return _FutureWork(fut)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
@@ -690,7 +703,10 @@ class HetcclBackend(dist.ProcessGroup):
             raise UnsupportedError(f"hetccl backend: all_gather_into_tensor output has {out.buf.numel()} elements, "
                                    f"needs world_size * input = {self._size * inp.buf.numel()}")
         if not out.writeback:
-            work = self._now("all_gather", [out.buf.reshape(-1), inp.buf.reshape(-1)], {}, [output])
+            args = [out.buf.reshape(-1), inp.buf.reshape(-1)]
+            work = self._now("all_gather", args, {}, [output])
+            if work is None:
+                work = self._host_call("all_gather", args, {}, [output])
             if work is not None:
                 return work
         return self._collective("all_gather", [out.buf.reshape(-1), inp.buf.reshape(-1)], {}, [output], out.finish,
@@ -767,7 +783,10 @@ class HetcclBackend(dist.ProcessGroup):
                                    f"needs world_size * output = {self._size * out.buf.numel()}")
         src = _premul(inp.buf, factor, inplace=False).reshape(-1)
         if not out.writeback:
-            work = self._now("reduce_scatter", [out.buf.reshape(-1), src], {"op": op}, [output])
+            args = [out.buf.reshape(-1), src]
+            work = self._now("reduce_scatter", args, {"op": op}, [output])
+            if work is None:
+                work = self._host_call("reduce_scatter", args, {"op": op}, [output])
             if work is not None:
                 return work
         return self._collective("reduce_scatter", [out.buf.reshape(-1), src, op], {}, [output], out.finish,
@@ -806,6 +825,8 @@ class HetcclBackend(dist.ProcessGroup):
         root = int(opts.rootRank)
         if not st.writeback:
             work = self._now("broadcast", [st.buf], {"root": root}, list(tensors))
+            if work is None:
+                work = self._host_call("broadcast", [st.buf], {"root": root}, list(tensors))
             if work is not None:
                 return work
         return self._collective("broadcast", [st.buf, root], {}, list(tensors), st.finish, [st.buf])
@@ -962,7 +983,8 @@ class HetcclBackend(dist.ProcessGroup):
         return _FutureWork(work.get_future(), source)
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._launch(lambda: self._acomm.barrier(), [])
+        work = self._host_call("barrier", [], {}, [])
+        return work if work is not None else self._launch(lambda: self._acomm.barrier(), [])
 
     def _detach(self) -> hetccl.SyncCommunicator | None:
         """Take the communicator away (later calls fail; shutdown becomes a no-op) and return it."""
