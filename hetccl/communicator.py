@@ -94,10 +94,9 @@ class Communicator(Group):
         """A small all_reduce of numpy array `arr` on the shared-memory fast path, checks and all in one call.
         False: not for this path (nothing was taken). True: done. Otherwise an awaitable that ends it on
         `loop` (default: the running loop; given: called from another thread with nothing in flight). Across
-        islands (CPU islands of one rank on one host: hierarchical.all_reduce is then the flat one) only with
-        no collective across islands in flight, whose later steps would take fast-path numbers after it."""
+        islands too where the group has a fast path (CPU islands of one rank on one host: `_across`)."""
         fast = self._fast
-        if fast is None or (self._islands > 1 and not self.issue_order.idle()):
+        if fast is None:
             return False
         return fast.try_all_reduce(self, arr, op, loop)
 
@@ -156,7 +155,7 @@ class Communicator(Group):
         with nothing of this communicator in flight: on the fast path, on that thread. False where it does not
         apply (nothing was taken), True once done, else a coroutine that ends it on `loop`."""
         parse = _FAST_CALLS.get(name)
-        if parse is None or self._fast is None or (self._islands > 1 and not self.issue_order.idle()):
+        if parse is None or self._fast is None:
             return False
         parsed = parse(self, *args, **kwargs)
         if any(isinstance(a, DeviceBuf) for a in parsed):
@@ -208,7 +207,7 @@ class Communicator(Group):
         """Across islands, a collective that runs flat takes its turn as the hierarchical ones do (ordering.py):
         else, issued behind a hierarchical collective that still waits (for its device copy, say), it could
         start first on one rank and second on another, and the two would meet the wrong peers."""
-        if self._islands == 1:
+        if self._islands == 1 or self._fast is not None:  # _fast: every collective of this group runs flat
             return await step()
         async with self.issue_order.turn(name, asyncio.get_running_loop().time() + self.settings.timeout):
             await step()

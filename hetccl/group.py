@@ -40,13 +40,6 @@ P2P_SPACE = 1 << 31  # p2p frames use comm id | P2P_SPACE: their sequence number
 NO_DTYPE, NO_OP = 255, 255  # fingerprint fields of a collective without element type or reduction
 
 Mem = Buf | DeviceBuf  # host or device memory, checked by the facade
-# a small host collective on the fast path (Group._fast_plan): its fingerprint fields, the bytes this rank posts
-# (source, count) and what reads the operation's slots into place once every rank has posted
-FastPlan = tuple[tuple[Any, ...], Any, int, Callable[[int], None]]
-
-
-def _nothing(k: int) -> None:
-    """The combine step of an operation whose slots hold nothing for this rank to read (barrier, root)."""
 
 
 class ScratchPool:
@@ -211,73 +204,83 @@ class Group:
         fast = self._fast
         return await run_collective(self, fp, lambda: fast.finish(fp, src, nbytes, started))  # type: ignore[union-attr]
 
-    # ---- small host collectives on the shared-memory fast path: one plan per operation, which the loop runs
-    # (flat_*) or the caller's thread (fast_now, the blocking facade's shortcut) ---------------------------------
-    def _fast_plan(self, name: str, args: tuple[Any, ...]) -> FastPlan | None:
-        """flat_<name>(*args) on the fast path: (fingerprint fields, bytes this rank posts, combine(k), which
-        reads the operation's slots into place), or None where it does not take the fast path."""
+    # ---- small host collectives on the shared-memory fast path: each started synchronously by the loop's flat
+    # collective or by the caller's thread (fast_now, the blocking facade's shortcut). None: not for the fast
+    # path (nothing taken); True: done; else a coroutine that ends it on `loop` (given when called from another
+    # thread with nothing of this group in flight there), the peers not all there within the spin ------------
+    def fast_now(self, name: str, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> Any:
+        """flat_<name>(*args) from a thread other than `loop`'s: False where it does not take the fast path."""
+        start = _FAST_STARTS.get(name)
+        done = None if start is None else start(self, *args, loop=loop)
+        return False if done is None else done
+
+    def _fast_all_reduce(self, b: Buf, op: ReduceOp, loop: Any = None) -> Any:
+        fast = self._fast
+        if fast is None or b.nbytes > fast.limit:
+            return None
+        fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
+        k = fast.now(fp, b.data, b.nbytes, loop)
+        if type(k) is tuple:
+            return self._fast_rest(fp, b.data, b.nbytes, k, lambda k: fast.reduce(k, b.data, 0, b.count, b.dtype, op))
+        fast.reduce(k, b.data, 0, b.count, b.dtype, op)
+        return True
+
+    def _fast_all_gather(self, o: Buf, i: Buf, loop: Any = None) -> Any:
+        fast = self._fast
+        nb = i.nbytes
+        if fast is None or nb > fast.limit:
+            return None
+        fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count, fast=True)
+
+        def gathered(k: int) -> None:
+            for r in range(self.size):
+                fast.copy_from(k, r, o.data[r * nb:(r + 1) * nb], nb)
+        k = fast.now(fp, i.data, nb, loop)
+        if type(k) is tuple:
+            return self._fast_rest(fp, i.data, nb, k, gathered)
+        gathered(k)
+        return True
+
+    def _fast_reduce_scatter(self, o: Buf, i: Buf, op: ReduceOp, loop: Any = None) -> Any:
+        fast = self._fast
+        if fast is None or i.nbytes > fast.limit:
+            return None
+        fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op, True)
+        k = fast.now(fp, i.data, i.nbytes, loop)
+        if type(k) is tuple:
+            return self._fast_rest(fp, i.data, i.nbytes, k,
+                                   lambda k: fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op))
+        fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op)
+        return True
+
+    def _fast_broadcast(self, b: Buf, root: int, loop: Any = None) -> Any:
+        fast = self._fast
+        if fast is None or b.nbytes > fast.limit:
+            return None
+        fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root, fast=True)
+        mine = self.rank == root
+        nb = b.nbytes if mine else 0
+        k = fast.now(fp, b.data, nb, loop)
+        if type(k) is tuple:
+            return self._fast_rest(fp, b.data, nb, k, None if mine else lambda k: fast.copy_from(k, root, b.data,
+                                                                                                  b.nbytes))
+        if not mine:
+            fast.copy_from(k, root, b.data, b.nbytes)
+        return True
+
+    def _fast_barrier(self, loop: Any = None) -> Any:
         fast = self._fast
         if fast is None:
             return None
-        if name == "barrier":
-            return (CollOp.BARRIER, None, 0, -1, None), None, 0, _nothing
-        if name == "all_reduce":
-            b, op = args
-            if b.nbytes > fast.limit:
-                return None
-            return ((CollOp.ALL_REDUCE, b.dtype, b.count, -1, op), b.data, b.nbytes,
-                    lambda k: fast.reduce(k, b.data, 0, b.count, b.dtype, op))
-        if name == "all_gather":
-            o, i = args
-            nb = i.nbytes
-            if nb > fast.limit:
-                return None
+        fp = self.next_fingerprint(CollOp.BARRIER, None, 0, fast=True)
+        k = fast.now(fp, None, 0, loop)
+        return self._fast_rest(fp, None, 0, k, None) if type(k) is tuple else True
 
-            def gathered(k: int) -> None:
-                for r in range(self.size):
-                    fast.copy_from(k, r, o.data[r * nb:(r + 1) * nb], nb)
-            return (CollOp.ALL_GATHER, o.dtype, i.count, -1, None), i.data, nb, gathered
-        if name == "reduce_scatter":
-            o, i, op = args
-            if i.nbytes > fast.limit:
-                return None
-            return ((CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op), i.data, i.nbytes,
-                    lambda k: fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op))
-        if name == "broadcast":
-            b, root = args
-            if b.nbytes > fast.limit:
-                return None
-            fields = (CollOp.BROADCAST, b.dtype, b.count, root, None)
-            if self.rank == root:
-                return fields, b.data, b.nbytes, _nothing
-            return fields, b.data, 0, lambda k: fast.copy_from(k, root, b.data, b.nbytes)
-        return None
-
-    async def _fast_run(self, plan: FastPlan) -> None:
-        fields, src, nbytes, combine = plan
-        fp = self.next_fingerprint(*fields, fast=True)
-        k = self._fast.now(fp, src, nbytes)  # type: ignore[union-attr]
-        if type(k) is tuple:
-            k = await self._fast_finish(fp, src, nbytes, k)
-        combine(k)
-
-    def fast_now(self, name: str, args: tuple[Any, ...], loop: asyncio.AbstractEventLoop) -> Any:
-        """flat_<name>(*args) from a thread other than `loop`'s, with nothing of this group in flight there:
-        False where it does not take the fast path (nothing was taken), True once done, else a coroutine
-        that ends it on `loop` (the peers were not all there within the spin)."""
-        plan = self._fast_plan(name, args)
-        if plan is None:
-            return False
-        fields, src, nbytes, combine = plan
-        fp = self.next_fingerprint(*fields, fast=True)
-        k = self._fast.now(fp, src, nbytes, loop)  # type: ignore[union-attr]
-        if type(k) is not tuple:
+    async def _fast_rest(self, fp: Fingerprint, src: Any, nbytes: int, started: Any,
+                         combine: Callable[[int], None] | None) -> None:
+        k = await self._fast_finish(fp, src, nbytes, started)
+        if combine is not None:
             combine(k)
-            return True
-
-        async def rest() -> None:
-            combine(await self._fast_finish(fp, src, nbytes, k))
-        return rest()
 
     def _algo(self, op: str, nbytes: int) -> str:
         algo = self._algo_cache.get((op, nbytes))
@@ -294,9 +297,11 @@ class Group:
             if self._islands > 1:
                 return await self._staged("all_reduce", [b], [0], op=op)
             return await self._vendor_run("all_reduce", [b], op=op)
-        plan = self._fast_plan("all_reduce", (b, op))
-        if plan is not None:
-            return await self._fast_run(plan)
+        done = self._fast_all_reduce(b, op)
+        if done is not None:
+            if done is not True:
+                await done
+            return
         fast = self._fast
         if fast is not None and fast.pieces:
             fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
@@ -310,9 +315,11 @@ class Group:
     async def flat_all_gather(self, o: Mem, i: Mem) -> None:
         if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
             return await self._on_device("all_gather", [o, i], [0])
-        plan = self._fast_plan("all_gather", (o, i))
-        if plan is not None:
-            return await self._fast_run(plan)
+        done = self._fast_all_gather(o, i)
+        if done is not None:
+            if done is not True:
+                await done
+            return
         fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count)
         nb = i.nbytes
         if not np.shares_memory(o.data[self.rank * nb:(self.rank + 1) * nb], i.data) or \
@@ -325,9 +332,11 @@ class Group:
     async def flat_reduce_scatter(self, o: Mem, i: Mem, op: ReduceOp) -> None:
         if isinstance(o, DeviceBuf) or isinstance(i, DeviceBuf):
             return await self._on_device("reduce_scatter", [o, i], [0], op=op)
-        plan = self._fast_plan("reduce_scatter", (o, i, op))
-        if plan is not None:
-            return await self._fast_run(plan)
+        done = self._fast_reduce_scatter(o, i, op)
+        if done is not None:
+            if done is not True:
+                await done
+            return
         fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
         ctx = CollCtx(self, fp, o.dtype, op)
         scratch = self._pool.take(i.nbytes)
@@ -343,9 +352,11 @@ class Group:
     async def flat_broadcast(self, b: Mem, root: int) -> None:
         if isinstance(b, DeviceBuf):
             return await self._on_device("broadcast", [b], [0], root=root)
-        plan = self._fast_plan("broadcast", (b, root))
-        if plan is not None:
-            return await self._fast_run(plan)
+        done = self._fast_broadcast(b, root)
+        if done is not None:
+            if done is not True:
+                await done
+            return
         fp = self.next_fingerprint(CollOp.BROADCAST, b.dtype, b.count, root)
         ctx = CollCtx(self, fp, b.dtype, None)
         algo = ring.broadcast if self._algo("broadcast", b.nbytes) == algorithms.RING else latency.broadcast
@@ -392,9 +403,11 @@ class Group:
         await run_collective(self, fp, lambda: direct.scatter(ctx, o, i, root))
 
     async def flat_barrier(self) -> None:
-        plan = self._fast_plan("barrier", ())
-        if plan is not None:
-            return await self._fast_run(plan)
+        done = self._fast_barrier()
+        if done is not None:
+            if done is not True:
+                await done
+            return
         fp = self.next_fingerprint(CollOp.BARRIER, None, 0)
         ctx = CollCtx(self, fp, DType.UINT8, None)
         await run_collective(self, fp, lambda: latency.barrier(ctx))
@@ -709,3 +722,10 @@ class Group:
                 vc.abort()
         for child in self._children:
             child.abort()
+
+
+# the fast path's synchronous starts by collective name (Group.fast_now)
+_FAST_STARTS: dict[str, Callable[..., Any]] = {
+    "all_reduce": Group._fast_all_reduce, "all_gather": Group._fast_all_gather,
+    "reduce_scatter": Group._fast_reduce_scatter, "broadcast": Group._fast_broadcast, "barrier": Group._fast_barrier,
+}

@@ -32,10 +32,6 @@ class IssueOrder:
         self._waiting: dict[int, asyncio.Future[None]] = {}
         self._abandoned: set[int] = set()
 
-    def idle(self) -> bool:
-        """No operation holds a turn or waits for one."""
-        return self._issued == self._serving and not self._waiting
-
     @contextlib.asynccontextmanager
     async def turn(self, what: str, deadline: float) -> AsyncIterator[None]:
         """Hold this communicator's turn for the body; waits (at most until `deadline`) for every operation
