@@ -219,11 +219,7 @@ class Group:
         if fast is None or b.nbytes > fast.limit:
             return None
         fp = self.next_fingerprint(CollOp.ALL_REDUCE, b.dtype, b.count, -1, op, True)
-        k = fast.now(fp, b.data, b.nbytes, loop)
-        if type(k) is tuple:
-            return self._fast_rest(fp, b.data, b.nbytes, k, lambda k: fast.reduce(k, b.data, 0, b.count, b.dtype, op))
-        fast.reduce(k, b.data, 0, b.count, b.dtype, op)
-        return True
+        return self._fast_reducing(fp, b.data, b.nbytes, b.data, 0, b.count, b.dtype, op, loop)
 
     def _fast_all_gather(self, o: Buf, i: Buf, loop: Any = None) -> Any:
         fast = self._fast
@@ -246,11 +242,16 @@ class Group:
         if fast is None or i.nbytes > fast.limit:
             return None
         fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op, True)
-        k = fast.now(fp, i.data, i.nbytes, loop)
+        return self._fast_reducing(fp, i.data, i.nbytes, o.data, self.rank * o.nbytes, o.count, o.dtype, op, loop)
+
+    def _fast_reducing(self, fp: Fingerprint, src: Any, nbytes: int, dst: Any, at: int, count: int, dtype: DType,
+                       op: ReduceOp, loop: Any) -> Any:
+        """Start fast operation fp (src posted), then reduce bytes at.. of every rank's slot into dst."""
+        fast = self._fast
+        k = fast.now(fp, src, nbytes, loop)  # type: ignore[union-attr]
         if type(k) is tuple:
-            return self._fast_rest(fp, i.data, i.nbytes, k,
-                                   lambda k: fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op))
-        fast.reduce(k, o.data, self.rank * o.nbytes, o.count, o.dtype, op)
+            return self._fast_rest(fp, src, nbytes, k, lambda k: fast.reduce(k, dst, at, count, dtype, op))
+        fast.reduce(k, dst, at, count, dtype, op)  # type: ignore[union-attr]
         return True
 
     def _fast_broadcast(self, b: Buf, root: int, loop: Any = None) -> Any:
