@@ -111,6 +111,60 @@ class Topology:
         return len(set(self.hosts))
 
 
+# file descriptors a rank holds per peer, measured on 2026-12-04 (4 and 8 ranks, `hetccl run`): about 3 for a peer
+# on this host (its shm channel and a fast-path segment), 2 for one on another host (TCP); FD_SPARE covers the
+# first collectives' segments and sub-communicators (a limit that fits the plan is never refused)
+FDS_PER_LOCAL_PEER, FDS_PER_REMOTE_PEER, FD_SPARE = 3, 2, 16
+
+
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit (connections grow with the job)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as exc:  # not POSIX, or a hard limit the kernel refuses as soft
+        log.debug("hetccl: the open-file limit stays as it is (%s)", exc)
+
+
+def fd_state(store_server: bool) -> list[int]:
+    """What this rank's record says of its open files: [limit (-1: none), open now, whether it serves the store]."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = -1 if soft == resource.RLIM_INFINITY else int(soft)
+    except ImportError:
+        limit = -1
+    try:
+        now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        now = 0
+    return [limit, now, int(store_server)]
+
+
+def check_fd_room(records: list[dict[str, Any]], topology: Topology) -> None:
+    """Before connecting, on every rank alike (from every rank's record): a ConfigError that names the rank, its
+    limit and the number it needs where a rank's open-file limit, already raised to its hard limit, cannot hold
+    a connection to every peer."""
+    size = len(records)
+    for r, rec in enumerate(records):
+        limit, now, serves = rec.get("fds", (-1, 0, 0))
+        if limit < 0:
+            continue
+        local = len(topology.local_ranks(r)) - 1
+        need = now + FDS_PER_LOCAL_PEER * local + FDS_PER_REMOTE_PEER * (size - 1 - local) + FD_SPARE
+        need += size if serves else 0  # the store keeps one connection per rank
+        if need > limit:
+            raise ConfigError(f"rank {r} needs about {need} open files to connect to its {size - 1} peers ({local} "
+                              f"on its host, {size - 1 - local} on others; {now} open), and its limit is {limit} "
+                              f"even after hetccl raised it to the hard limit: raise the hard limit where rank {r} "
+                              f"runs (`ulimit -n {need}` as root, LimitNOFILE= for systemd, `--ulimit "
+                              f"nofile={need}` for docker)")
+
+
 class Fabric:
     """The connections of one process: store, transports and one endpoint per peer."""
 
@@ -158,6 +212,7 @@ class Fabric:
 
     async def _bootstrap(self) -> None:
         s, rank, size = self.settings, self.rank, self.size
+        raise_fd_limit()
         host, port = self.identity.addr or ("127.0.0.1", 0)
         external = params.get("HETCCL_STORE_EXTERNAL")
         if self.identity.meet == "torchrun" and not external:  # MASTER_PORT is torchrun's own store
@@ -200,12 +255,15 @@ class Fabric:
             raise ConfigError("no usable transport; see `hetccl info`")
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
                 "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label(),
-                "agree": params.agreed(s)}
+                "agree": params.agreed(s), "fds": fd_state(self.server is not None)}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
         read = await self.store.add(f"{self.job}/records-read", 1)
+        topology = Topology([rec["host"] for rec in self.records],
+                            [rec.get("machine", rec["host"]) for rec in self.records])
         try:
             check_agreement(self.records)
+            check_fd_room(self.records, topology)
         except ConfigError:
             if self.server is not None:  # every rank raises it: the store must outlive their reads
                 deadline = time.monotonic() + min(10.0, s.timeout)
@@ -213,8 +271,7 @@ class Fabric:
                     await asyncio.sleep(0.01)
                     read = await self.store.add(f"{self.job}/records-read", 0)
             raise
-        self.topology = Topology([rec["host"] for rec in self.records],
-                                 [rec.get("machine", rec["host"]) for rec in self.records])
+        self.topology = topology
         ctx.local_ranks = self.topology.local_ranks(rank)
         ctx.machine_ranks = self.topology.machine_ranks(rank)
         # choose a transport per peer: highest priority that both sides have and that reaches the peer

@@ -468,3 +468,52 @@ def test_stderr_is_forwarded_while_the_rank_still_runs(tmp_path):
     finally:
         _reap(proc, tmp_path)
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+# ---- the open-file limit (issue 32, item 3): real ranks under real limits (set in the launcher's process) -------
+_FD_CHILD = textwrap.dedent("""
+    import resource, numpy as np, hetccl
+    try:
+        comm = hetccl.init_sync()
+    except hetccl.ConfigError as exc:
+        print("ConfigError:", exc, flush=True)
+        raise SystemExit(3)
+    comm.all_reduce(np.ones(4, np.float32))
+    print("rank", comm.rank, "soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0], flush=True)
+    comm.close()
+""")
+
+
+def _run_with_nofile(n: int, soft: int, hard: int) -> subprocess.CompletedProcess:
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HETCCL_TIMEOUT="30")
+    cmd = [sys.executable, "-m", "hetccl", "run", "-n", str(n), "--", sys.executable, "-c", _FD_CHILD]
+    return subprocess.run(cmd, preexec_fn=limit, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=90)
+
+
+@pytest.mark.timeout(120)
+def test_init_raises_the_soft_open_file_limit_to_the_hard_one() -> None:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard open-file limit here is {hard}")
+    want = 1024 if hard == resource.RLIM_INFINITY else hard
+    proc = _run_with_nofile(4, 200, want)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(f"soft limit {want}") == 4, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_an_open_file_limit_too_low_for_the_job_is_a_config_error_on_every_rank() -> None:
+    """A hard limit below what the connections need: every rank raises the same ConfigError, naming the rank,
+    its limit and the number needed, before connecting (not EMFILE halfway through)."""
+    proc = _run_with_nofile(8, 40, 40)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stdout.splitlines() if "ConfigError:" in x]
+    assert len(lines) == 8, proc.stdout + proc.stderr
+    assert all("rank 0 needs about" in x and "its limit is 40" in x and "ulimit -n" in x for x in lines), lines
