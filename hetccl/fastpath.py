@@ -106,8 +106,8 @@ def limit_for(group: Any) -> int:
     # HETCCL_ALGO names the host algorithm to run: the fast path, which is none of them, stays out of its way
     if not limit or group.size < 2 or not fab.topology.hosts or group._override:
         return 0
-    # several islands: only CPU islands of one rank each, whose hierarchical collectives are this group's own
-    # flat ones (hierarchical.all_reduce); elsewhere their steps run on other groups, or on devices
+    # several islands: only CPU islands of one rank each, whose collectives are then all this group's own flat
+    # ones (Communicator._across); elsewhere their steps run on other groups, or on devices
     if group._islands != 1 and (group._islands != group.size or any(vendor_of(x) is not None for x in group._labels)):
         return 0
     me = fab.rank

@@ -446,7 +446,7 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
         raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1 needs GPU stream memory operations on every rank, and "
                           f"rank {group.rank} has none ({streamorder.unavailable_reason(bufs[0].device)}); unset "
                           "HETCCL_TORCH_STREAM_ORDER on every rank")
-    if name in _LINK_PLANS and _pair_link_applies(group, lay, bufs[0]):
+    if name in _LINK_PLANS and _pair_link_applies(group, lay):
         if lay.link is None:
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
         if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None and _rank_ordered(lay):
@@ -455,7 +455,7 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
     return _host_side(group, name, stage, body), lambda: stage.finish(False)
 
 
-def _pair_link_applies(group: Group, lay: Layout, b: DeviceBuf) -> bool:
+def _pair_link_applies(group: Group, lay: Layout) -> bool:
     """Whether the loop's schedule would join these two GPU leaders by the pair link (_zero_copy_link's
     conditions, from the layout alone)."""
     g = lay.leaders.members
