@@ -594,22 +594,30 @@ class HetcclBackend(dist.ProcessGroup):
         """A small all_reduce of a CPU tensor on the caller's thread (SyncCommunicator.all_reduce's rule: the
         shared-memory fast path, nothing of this group in flight): no hop to the loop thread and back, which
         costs more than the operation. None where the loop path must run it."""
-        comm = self._comm
-        if comm is None or self.broken is not None or self._submitted != self._finished or t.is_sparse \
-                or not t.is_contiguous() or t.dtype not in _HOST_NOW_DTYPES:
+        if t.is_sparse or not t.is_contiguous() or t.dtype not in _HOST_NOW_DTYPES:
             return None
-        if not comm.idle():
+        comm = self._idle_comm()
+        if comm is None:
             return None
         return self._host_done(self._acomm.fast_all_reduce(t.detach().numpy(), op, comm.loop), [t])
 
     def _host_call(self, name: str, args: list[Any], kwargs: dict[str, Any], result: Any) -> Any | None:
         """A small broadcast, all_gather, reduce_scatter or barrier of CPU tensors on the caller's thread
         (Communicator.fast_call), by _host_now's rule. None where the loop path must run it."""
-        comm = self._comm
-        if comm is None or self.broken is not None or self._submitted != self._finished or not comm.idle() \
-                or any(t.device.type != "cpu" for t in args):
+        if any(t.device.type != "cpu" for t in args):
+            return None
+        comm = self._idle_comm()
+        if comm is None:
             return None
         return self._host_done(self._acomm.fast_call(name, tuple(args), kwargs, comm.loop), result)
+
+    def _idle_comm(self) -> hetccl.SyncCommunicator | None:
+        """The communicator, where a collective may run on the caller's thread: open, not broken, and nothing
+        of this group in flight."""
+        comm = self._comm
+        if comm is None or self.broken is not None or self._submitted != self._finished or not comm.idle():
+            return None
+        return comm
 
     def _host_done(self, done: Any, result: Any) -> Any | None:
         """The Work of a caller-thread collective: None (not taken), done, or ended by the loop (the peers were
