@@ -221,6 +221,8 @@ class Settings:
     ib_devices: list[tuple[str, int]] = _default("HETCCL_IB_DEVICE")  # verbs
     ib_gid_index: int | None = _default("HETCCL_IB_GID_INDEX")  # verbs, RoCE
     wait_notice: tuple[float, float] = _default("HETCCL_WAIT_NOTICE")  # (first, every) in s; inf = never
+    cross_compress: str = _default("HETCCL_CROSS_COMPRESS")  # compress.py
+    cross_compress_min: int = _default("HETCCL_CROSS_COMPRESS_MIN")
     host: str | None = None  # HETCCL_HOST: the host this process acts as (its entry, for a list)
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -110,6 +110,10 @@ def limit_for(group: Any) -> int:
     # ones (Communicator._across); elsewhere their steps run on other groups, or on devices
     if group._islands != 1 and (group._islands != group.size or any(vendor_of(x) is not None for x in group._labels)):
         return 0
+    # ... and uncompressed: a compressed collective is the leaders' schedule (compress.py), which the fast path,
+    # taken or not by each rank as it is idle or busy, must never meet
+    if group._islands != 1 and group.settings.cross_compress != "none":
+        return 0
     me = fab.rank
     # every rank reads all n parts, where a ring moves about two: past 4 ranks the ring's per-step cost is the
     # smaller one sooner (measured at np 2 and 4 on 2 cores: a 1 MiB limit beat 64 KiB at 256 KiB-1 MiB)

@@ -142,6 +142,11 @@ class Group:
         return self._settings
 
     @property
+    def scratch(self) -> ScratchPool:
+        """Page-aligned scratch buffers, for schedules made of this group's collectives (compress.py)."""
+        return self._pool
+
+    @property
     def members(self) -> list[int]:
         return self._members
 

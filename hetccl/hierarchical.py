@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import native
+from . import compress, native
 from .dtypes import Buf, ReduceOp, as_buf
 from .errors import ConfigError, HetcclError
 from .gpu import pairlink, ringlink, staging, streamorder
@@ -70,6 +70,7 @@ async def build_layout(group: Group) -> Layout:
     islands = list(order.values())
     mine = next(i for i, m in enumerate(islands) if group.rank in m)
     lay = Layout(labels, islands, mine)
+    compress.check_islands(group.settings, labels, vendor_of)
     if len(islands) > 1 and all(len(m) == 1 for m in islands):
         lay.leaders = group  # every island is one rank: everybody leads
     elif len(islands) > 1:  # collective: every rank builds the same layout at the same point
@@ -115,11 +116,15 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
         if lay.leaders is not None and lay.leaders.size > 1:
             # the same chunks as a GPU leader's staging, so every leader issues the same collectives
             isz = b.dtype.itemsize
+            wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
             for i, (lo, hi) in enumerate(_chunks(b.count, isz)):
                 part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
                 if stage is not None:
                     await stage.arrived(i, _deadline(group), "cross-island all_reduce")
-                await lay.leaders.flat_all_reduce(part, inner)
+                if wire:
+                    await compress.all_reduce(lay.leaders, part, inner, wire)
+                else:
+                    await lay.leaders.flat_all_reduce(part, inner)
                 if stage is not None:
                     if rop == ReduceOp.AVG:
                         native.divide(part.data, b.dtype, group.size)
@@ -226,8 +231,8 @@ class _View:
         if self.dev:
             with self.local():
                 return torch_mod().empty(count, dtype=self.flat.dtype, device=self.flat.device)
-        dt = self.flat.dtype
-        return Buf(np.empty(count * dt.itemsize, np.uint8), dt, count)
+        dt = self.flat.dtype  # zeroed (calloc'd pages: no dearer): padding must not sway an fp8 scale (compress.py)
+        return Buf(np.zeros(count * dt.itemsize, np.uint8), dt, count)
 
     def copy(self, dst: Any, src: Any) -> None:
         with self.local():
@@ -320,7 +325,9 @@ async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, m
                 v.copy(own, mine)
             return await link.all_gather(every, v.stream, _deadline(group))
         return await leaders.flat_device_ring_all_gather(v.mem(every), v.mem(mine))
-    await leaders.flat_all_gather(v.mem(every), v.mem(mine))
+    o, i = v.mem(every), v.mem(mine)
+    wire = compress.wire_for(group.settings, o.dtype, o.nbytes)
+    await (compress.all_gather(leaders, o, i, wire) if wire else leaders.flat_all_gather(o, i))
 
 
 async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: Any, acc: Any, op: ReduceOp) -> None:
@@ -332,7 +339,9 @@ async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: A
         if link is not None and link.ops is not None and getattr(link, "reduce_scatter", None) is not None:
             return await link.reduce_scatter(region, acc, op, v.stream, _deadline(group))
         return await leaders.flat_device_ring_reduce_scatter(v.mem(region), v.mem(acc), op)
-    await leaders.flat_reduce_scatter(v.mem(region), v.mem(acc), op)
+    o, i = v.mem(region), v.mem(acc)
+    wire = compress.wire_for(group.settings, i.dtype, i.nbytes)
+    await (compress.reduce_scatter(leaders, o, i, op, wire) if wire else leaders.flat_reduce_scatter(o, i, op))
 
 
 async def all_gather(group: Group, out: Mem, inp: Mem) -> None:

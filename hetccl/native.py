@@ -58,3 +58,23 @@ def copy(dst: np.ndarray | memoryview, src: np.ndarray | memoryview) -> None:
 
 def build_info() -> str:
     return ffi.string(lib.hccl_build_info()).decode()
+
+
+def wire_size(count: int, wire: int) -> int:
+    """Bytes of `count` elements packed in wire format `wire` (hetccl_native.h: HCCL_WIRE_*)."""
+    return lib.hccl_wire_size(count, wire)
+
+
+def pack(dst: np.ndarray, src: np.ndarray | memoryview, count: int, dtype: DType, wire: int) -> None:
+    """dst (wire_size(count, wire) bytes) = count elements of src (a float dtype) in wire format `wire`."""
+    if count and lib.hccl_pack(_from_buffer(_CHARS, dst, True), _from_buffer(_CHARS, src), count, dtype, wire):
+        raise HetcclError(f"native pack refused dtype {dtype!r} wire {wire}")
+
+
+def unpack(dst: np.ndarray, src: np.ndarray | memoryview, count: int, dtype: DType, wire: int,
+           op: ReduceOp | None = None) -> None:
+    """dst (count elements of dtype) = the packed values of src, or (op) dst OP them."""
+    code = -1 if op is None else (0 if op == ReduceOp.AVG else int(op))
+    if count and lib.hccl_unpack(_from_buffer(_CHARS, dst, True), _from_buffer(_CHARS, src), count, dtype, wire,
+                                 code):
+        raise HetcclError(f"native unpack refused dtype {dtype!r} wire {wire} op {op!r}")

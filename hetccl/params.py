@@ -319,6 +319,13 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_STAGED_RING", "bool", True, "`0`: GPU island leaders that no zero-copy link joins "
        "all-gather each staged chunk and reduce it locally instead of running a ring reduced on the devices",
        "hetccl.gpu.staging", agree=True),
+    _P("HETCCL_CROSS_COMPRESS", "choice", "none", "`bf16`, `fp16` or `fp8` (e4m3, a scale per 1024 values): the bytes "
+       "of all_reduce, reduce_scatter and all_gather of floats that cross between island leaders are cast to it, "
+       "then reduced in the caller's dtype; inside islands nothing changes (CPU islands so far)", "hetccl.compress",
+       choices=("none", "bf16", "fp16", "fp8"), field="cross_compress", agree=True),
+    _P("HETCCL_CROSS_COMPRESS_MIN", "size", 64 << 10, "collectives smaller than this stay uncompressed under "
+       "HETCCL_CROSS_COMPRESS (a loss or a metric stays exact)", "hetccl.compress", field="cross_compress_min",
+       agree=True),
     _P("HETCCL_CROSS_SMALL_BYTES", "size", 256 << 10, "cross-island all_reduces up to this size go through host "
        "memory in one piece where the GPU-signalled link is not used", "hetccl.gpu.staging", agree=True),
     _P("HETCCL_STREAM_MEMOPS", "bool", True, "`0`: the cross-island link is signalled by the CPU instead of GPU "

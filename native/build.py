@@ -49,6 +49,7 @@ def make_ffibuilder(module: str = MODULE, defines: tuple[str, ...] = ()) -> FFI:
         _read("hetccl_native.c"),
         include_dirs=[HERE],
         define_macros=[(d, "1") for d in defines],
+        libraries=[] if sys.platform == "win32" else ["m"],  # the wire formats' ldexpf / frexpf
         extra_compile_args=_compile_args(),
     )
     return builder

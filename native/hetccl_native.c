@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <math.h>
 #include <sched.h>
 #include <time.h>
 #if defined(__linux__)
@@ -544,6 +545,177 @@ int hccl_reduce3(void *dst, const void *a, const void *b, size_t count, int dtyp
 int hccl_reduce(void *dst, const void *src, size_t count, int dtype, int op)
 {
     return hccl_reduce3_dup(dst, NULL, dst, src, count, dtype, op);
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* compressed wire formats (hetccl_native.h says what they are)                                      */
+/* ------------------------------------------------------------------------------------------------ */
+
+#define HCCL_TILE 1024 /* values widened or decoded at a time (on the stack, in L1) */
+
+/* float32 -> e4m3fn, round to nearest even; |f| is at most 448 (larger saturates); inf and NaN -> NaN.
+ * Branch-free selects, as hccl_f2h, so that the loops around it vectorise. */
+HCCL_INLINE uint8_t hccl_f2e4m3(float f)
+{
+    uint32_t u = hccl_f32_bits(f);
+    uint32_t a = u & 0x7fffffffu;
+    uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3); /* exponent, 3 bits */
+    /* below 2^-6 (subnormal, m * 2^-9): adding 2^14 aligns float's ulp with 2^-9, so the FP add rounds to
+     * nearest even, and the low bits are m (m = 8 is the smallest normal's code) */
+    uint32_t subnormal = hccl_f32_bits(hccl_bits_f32(a) + 16384.0f) - 0x46800000u;
+    uint32_t m_sub = 0u - (uint32_t)(a < 0x3c800000u);
+    uint32_t m_sat = 0u - (uint32_t)(a >= 0x43e00000u); /* 448 and above */
+    uint32_t m_nan = 0u - (uint32_t)(a >= 0x7f800000u);
+    uint32_t r = (subnormal & m_sub) | (normal & ~m_sub);
+    r = (0x7eu & m_sat) | (r & ~m_sat);
+    r = (0x7fu & m_nan) | (r & ~m_nan);
+    return (uint8_t)(r | ((u >> 24) & 0x80u));
+}
+
+static float hccl_e4m3_values[256];
+static volatile int hccl_e4m3_ready;
+
+static void hccl_e4m3_init(void)
+{
+    if (hccl_e4m3_ready)
+        return;
+    for (int c = 0; c < 256; c++) { /* the same values from every thread: a race is harmless */
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? (float)m * 0x1p-9f : (e == 15 && m == 7) ? __builtin_nanf("") : ldexpf(1.0f + m / 8.0f, e - 7);
+        hccl_e4m3_values[c] = (c & 0x80) ? -v : v;
+    }
+    hccl_e4m3_ready = 1;
+}
+
+size_t hccl_wire_size(size_t count, int wire)
+{
+    switch (wire) {
+    case HCCL_WIRE_BF16:
+    case HCCL_WIRE_FP16:
+        return 2 * count;
+    case HCCL_WIRE_FP8:
+        return 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP) + count;
+    default:
+        return 0;
+    }
+}
+
+/* n <= HCCL_TILE values of src (dtype) as float32 into t; 0, or -1 for a dtype that is not a float */
+static int hccl_widen(float *restrict t, const void *src, size_t n, int dtype)
+{
+    switch (dtype) {
+    case HCCL_FLOAT16: for (size_t i = 0; i < n; i++) t[i] = hccl_h2f(((const uint16_t *)src)[i]); return 0;
+    case HCCL_BFLOAT16: for (size_t i = 0; i < n; i++) t[i] = hccl_b2f(((const uint16_t *)src)[i]); return 0;
+    case HCCL_FLOAT32: memcpy(t, src, n * sizeof(float)); return 0;
+    case HCCL_FLOAT64: for (size_t i = 0; i < n; i++) t[i] = (float)((const double *)src)[i]; return 0;
+    default: return -1;
+    }
+}
+
+/* n <= HCCL_TILE float32 values of t into dst as dtype (a float dtype) */
+static void hccl_narrow(void *dst, const float *restrict t, size_t n, int dtype)
+{
+    switch (dtype) {
+    case HCCL_FLOAT16: for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = hccl_f2h(t[i]); break;
+    case HCCL_BFLOAT16: for (size_t i = 0; i < n; i++) ((uint16_t *)dst)[i] = hccl_f2b(t[i]); break;
+    case HCCL_FLOAT32: memcpy(dst, t, n * sizeof(float)); break;
+    default: for (size_t i = 0; i < n; i++) ((double *)dst)[i] = (double)t[i]; break;
+    }
+}
+
+HCCL_HOT static void hccl_pack_half(uint16_t *restrict dst, const float *restrict t, size_t n, int bf16)
+{
+    if (bf16)
+        for (size_t i = 0; i < n; i++) dst[i] = hccl_f2b(t[i]);
+    else
+        for (size_t i = 0; i < n; i++) dst[i] = hccl_f2h(t[i]);
+}
+
+HCCL_HOT static void hccl_pack_fp8_group(uint8_t *restrict codes, float *restrict scale, const float *restrict t,
+                                         size_t n)
+{
+    uint32_t top = 0; /* the largest finite magnitude: non-negative floats order as their bits do */
+    for (size_t i = 0; i < n; i++) {
+        uint32_t a = hccl_f32_bits(t[i]) & 0x7fffffffu;
+        a &= 0u - (uint32_t)(a < 0x7f800000u);
+        top = a > top ? a : top;
+    }
+    float amax = hccl_bits_f32(top);
+    int k = 0;
+    if (amax > 0.0f) {
+        frexpf(amax / 448.0f, &k); /* amax / 448 < 2^k */
+        if (ldexpf(448.0f, k - 1) >= amax)
+            k -= 1;
+        k = k < -126 ? -126 : k > 127 ? 127 : k;
+    }
+    float inv = ldexpf(1.0f, -k);
+    *scale = ldexpf(1.0f, k);
+    for (size_t i = 0; i < n; i++)
+        codes[i] = hccl_f2e4m3(t[i] * inv);
+}
+
+int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire)
+{
+    float t[HCCL_TILE];
+    size_t isz = hccl_dtype_size(dtype);
+    if (dtype < HCCL_FLOAT16 || dtype > HCCL_FLOAT64 || hccl_wire_size(1, wire) == 0)
+        return -1;
+    float *scales = (float *)dst;
+    uint8_t *codes = (uint8_t *)dst + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
+    uint16_t *half = (uint16_t *)dst;
+    for (size_t at = 0; at < count; at += HCCL_TILE) {
+        size_t n = count - at < HCCL_TILE ? count - at : HCCL_TILE;
+        const float *v = t;
+        if (dtype == HCCL_FLOAT32 && ((uintptr_t)src & 3u) == 0)
+            v = (const float *)src + at;
+        else
+            hccl_widen(t, (const char *)src + at * isz, n, dtype);
+        if (wire == HCCL_WIRE_FP8) {
+            float s; /* HCCL_TILE == HCCL_FP8_GROUP: one group per tile */
+            hccl_pack_fp8_group(codes + at, &s, v, n);
+            memcpy(scales + at / HCCL_FP8_GROUP, &s, sizeof s);
+        } else {
+            hccl_pack_half(half + at, v, n, wire == HCCL_WIRE_BF16);
+        }
+    }
+    return 0;
+}
+
+int hccl_unpack(void *dst, const void *src, size_t count, int dtype, int wire, int op)
+{
+    float t[HCCL_TILE];
+    double d[HCCL_TILE];
+    size_t isz = hccl_dtype_size(dtype);
+    if (dtype < HCCL_FLOAT16 || dtype > HCCL_FLOAT64 || hccl_wire_size(1, wire) == 0 || op >= HCCL_NUM_OPS)
+        return -1;
+    if (wire == HCCL_WIRE_FP8)
+        hccl_e4m3_init();
+    const float *scales = (const float *)src;
+    const uint8_t *codes = (const uint8_t *)src + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
+    const uint16_t *half = (const uint16_t *)src;
+    for (size_t at = 0; at < count; at += HCCL_TILE) {
+        size_t n = count - at < HCCL_TILE ? count - at : HCCL_TILE;
+        char *out = (char *)dst + at * isz;
+        if (wire == HCCL_WIRE_FP8) {
+            float s;
+            memcpy(&s, scales + at / HCCL_FP8_GROUP, sizeof s);
+            for (size_t i = 0; i < n; i++) t[i] = hccl_e4m3_values[codes[at + i]] * s;
+        } else if (wire == HCCL_WIRE_BF16) {
+            for (size_t i = 0; i < n; i++) t[i] = hccl_b2f(half[at + i]);
+        } else {
+            for (size_t i = 0; i < n; i++) t[i] = hccl_h2f(half[at + i]);
+        }
+        void *tile = t;
+        if (dtype != HCCL_FLOAT32) { /* the values in the destination's dtype (exact for float64) */
+            tile = d;
+            hccl_narrow(d, t, n, dtype);
+        }
+        if (op < 0)
+            memcpy(out, tile, n * isz);
+        else
+            hccl_reduce(out, tile, n, dtype, op);
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------ */

@@ -52,6 +52,26 @@ void hccl_copy(void *dst, const void *src, size_t nbytes);
 /* element size in bytes of a dtype code, or 0 if unknown */
 size_t hccl_dtype_size(int dtype);
 
+/* Compressed wire formats for the bytes that cross between island leaders (hetccl/compress.py). A packed
+ * buffer of `count` elements: bf16 / fp16, count 2-byte values (round to nearest even; overflow -> inf, as
+ * hccl_reduce's conversions); fp8, e4m3 (OCP "fn": max 448, no infinity) with one float32 scale per group of
+ * HCCL_FP8_GROUP values: the scales of every group first, then count one-byte codes. A scale is the power of
+ * two that brings the group's largest finite magnitude to at most 448, so a value exact in e4m3 after
+ * scaling comes back exact, and scaling makes no NaN or inf; an infinity or NaN in the data is sent as NaN
+ * (e4m3 has no infinity). Sources and destinations: float16, bfloat16, float32 or float64. */
+#define HCCL_WIRE_BF16 1
+#define HCCL_WIRE_FP16 2
+#define HCCL_WIRE_FP8 3
+#define HCCL_FP8_GROUP 1024
+/* bytes of `count` packed elements, or 0 for an unknown wire format */
+size_t hccl_wire_size(size_t count, int wire);
+/* pack count elements of src (dtype) into dst (hccl_wire_size bytes). Returns 0, or -1 for a dtype or wire
+ * it does not take. */
+int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire);
+/* dst (count elements of dtype) = the packed values of src (op < 0), or dst OP them (op: a reduce op code,
+ * with hccl_reduce's semantics). Returns 0, or -1 for a dtype, wire or op it does not take. */
+int hccl_unpack(void *dst, const void *src, size_t count, int dtype, int wire, int op);
+
 /* Shared-memory synchronisation on 64-bit counters living in a MAP_SHARED mapping (8-byte aligned). */
 uint64_t hccl_load_acquire(const uint64_t *addr);
 void hccl_store_release(uint64_t *addr, uint64_t value);

@@ -119,7 +119,8 @@ def test_torch_backend_under_torchrun(copy: str) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("name", "values"), [("HETCCL_SHM_FASTPATH_BYTES", ["0", "64K"]),
-                                              ("HETCCL_CHUNK_BYTES", ["1M", "4M"])])
+                                              ("HETCCL_CHUNK_BYTES", ["1M", "4M"]),
+                                              ("HETCCL_CROSS_COMPRESS", ["none", "bf16"])])
 def test_settings_that_must_agree_are_refused_when_they_differ(name: str, values: list[str]) -> None:
     """A rank with the fast path off and one with it on would wait for each other on different paths (a
     timeout, not an answer): every rank refuses at start-up instead, naming the setting."""

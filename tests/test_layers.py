@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     # 8: the public facade (checks arguments once, picks islands / device / host)
     "hetccl.communicator": 8, "hetccl.sync": 8,
     # 7: the hierarchical schedule (island step, leaders step, island step)
-    "hetccl.hierarchical": 7,
+    "hetccl.hierarchical": 7, "hetccl.compress": 7,
     # 6: the flat engine (sequence numbers, fingerprints, host algorithms, the vendor op inside an island)
     "hetccl.group": 6,
     # 5: host algorithms, the collective runner and what it reports on a timeout

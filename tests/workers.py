@@ -671,3 +671,93 @@ async def settings_disagree(name: str) -> None:
 
 
 settings_disagree.no_init = True  # type: ignore[attr-defined]
+
+
+# ---- HETCCL_CROSS_COMPRESS (hetccl/compress.py) ------------------------------------------------------------
+WIRE_UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8": 2.0 ** -4}  # unit roundoff of each wire format
+WIRE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+ACC_UNIT = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+
+def _lossy(rank: int, count: int, dtype: str, salt: int) -> np.ndarray:
+    """Per-rank floats of every magnitude in [2^-8, 4] (positive in [0.5, 2] for products), exact in dtype."""
+    rng = np.random.default_rng([rank, count, DTYPES.index(dtype), salt])
+    if dtype == "int32":
+        return rng.integers(-3, 4, size=count).astype(np.int32)
+    mag = rng.uniform(0.5, 2, count) if salt == 1 else 2.0 ** rng.uniform(-8, 2, count)
+    return (mag * rng.choice([-1.0, 1.0], count)).astype(np_dtype(dtype))
+
+
+def _within(got: np.ndarray, ins: list[np.ndarray], op: str, dtype: str, wire: str | None, what: str) -> None:
+    """got against the fp64 reduction of ins, within what one rounding to the wire per input and per result,
+    and two roundings per input of the accumulation in dtype, allow (an fp8 subnormal's absolute error, at most
+    2^-10 of a group's largest magnitude / 224, besides). wire None: no rounding to a wire."""
+    n = len(ins)
+    u = WIRE_UNIT[wire] if wire else 0.0
+    x = np.array([a.astype(np.float64) for a in ins])
+    ref = {"sum": x.sum(0), "avg": x.sum(0) / n, "prod": x.prod(0), "min": x.min(0), "max": x.max(0)}[op]
+    acc = ACC_UNIT[dtype]
+    if op == "prod":
+        tol = np.abs(ref) * ((1 + u) ** (2 * n) * (1 + acc) ** (2 * n) - 1) * 1.1
+    else:
+        tol = ((2 * u + 2 * n * acc) * np.abs(x).sum(0) + (1e-5 * np.abs(x).max() if wire == "fp8" else 0.0)) * 1.1
+        tol = tol / n if op == "avg" else tol
+    bad = np.nonzero(~(np.abs(got.astype(np.float64) - ref) <= tol))[0]
+    if len(bad):
+        i = bad[:4]
+        raise AssertionError(f"{what}: {len(bad)} elements off, at {i.tolist()}: got "
+                             f"{got[i].astype(np.float64).tolist()} want {ref[i].tolist()} within {tol[i].tolist()}")
+
+
+async def compressed(comm: hetccl.Communicator, counts: list[int]) -> None:
+    """Every wire format in turn (comm.settings is every group's of this job: each rank switches at the same
+    point; HETCCL_CROSS_COMPRESS_MIN=0): all_reduce with each op, reduce_scatter and all_gather of every float
+    dtype against an fp64 reference within the wire's bound, and int32 exact. That the bytes were cast is
+    checked too: 1 + 2^-12 is in none of the formats, and comes back as 1."""
+    n, r = comm.size, comm.rank
+    odd = 1 + 2.0 ** -12
+    for wire in ("bf16", "fp16", "fp8"):
+        comm.settings.cross_compress = wire
+        for dtype in ("float32", "float64", "bfloat16", "float16", "int32"):
+            lossy = dtype != "int32" and WIRE_BYTES[wire] < np_dtype(dtype).itemsize
+            lossy_wire = wire if lossy else None
+            for count in counts:
+                tag = f"{wire} {dtype} count={count}"
+                for op in (["sum", "max"] if dtype == "int32" else ["sum", "avg", "prod", "min", "max"]):
+                    salt = 1 if op == "prod" else 0
+                    ins = [_lossy(q, count, dtype, salt) for q in range(n)]
+                    buf = ins[r].copy()
+                    await comm.all_reduce(buf, op)
+                    if dtype == "int32":
+                        check(buf, expected_like(ins, op), f"all_reduce {op} {tag}")
+                    else:
+                        _within(buf, ins, op, dtype, lossy_wire, f"all_reduce {op} {tag}")
+                ins = [_lossy(q, n * count, dtype, 2) for q in range(n)]
+                out = np.zeros(count, ins[r].dtype)
+                await comm.reduce_scatter(out, ins[r], "sum")
+                blocks = [a[r * count:(r + 1) * count] for a in ins]
+                if dtype == "int32":
+                    check(out, expected_like(blocks, "sum"), f"reduce_scatter {tag}")
+                else:
+                    _within(out, blocks, "sum", dtype, lossy_wire, f"reduce_scatter {tag}")
+                mine = _lossy(r, count, dtype, 3)
+                every = np.zeros(n * count, mine.dtype)
+                await comm.all_gather(every, mine)
+                for q in range(n):
+                    got = every[q * count:(q + 1) * count]
+                    if dtype == "int32":
+                        check(got, _lossy(q, count, dtype, 3), f"all_gather {tag} block {q}")
+                    else:
+                        _within(got, [_lossy(q, count, dtype, 3)], "sum", dtype, lossy_wire, f"all_gather {tag} {q}")
+            if lossy and dtype in ("float32", "float64"):
+                buf = np.full(counts[-1], odd, np_dtype(dtype))
+                await comm.all_reduce(buf)
+                assert np.all(buf == n), f"all_reduce {wire} {dtype}: the bytes were not cast ({buf[:3]})"
+                every = np.zeros(n * counts[-1], np_dtype(dtype))
+                await comm.all_gather(every, np.full(counts[-1], odd, np_dtype(dtype)))
+                assert np.all(every == 1), f"all_gather {wire} {dtype}: the bytes were not cast ({every[:3]})"
+
+
+def expected_like(ins: list[np.ndarray], op: str) -> np.ndarray:
+    x = np.array([a.astype(np.int64) for a in ins])
+    return (x.sum(0) if op == "sum" else x.max(0)).astype(ins[0].dtype)

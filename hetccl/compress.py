@@ -1,0 +1,108 @@
+"""The island leaders' step with a compressed wire (HETCCL_CROSS_COMPRESS): only the bytes that cross between
+island leaders are cast, to bf16, fp16 or fp8 (e4m3 with a power-of-two scale per 1024 values:
+native/hetccl_native.h), and every leader reduces what arrives in the caller's dtype. Inside islands nothing
+changes. Each op is a schedule of flat byte collectives on the leaders' group, as UCC composes its own:
+
+- all_reduce: each leader packs its buffer's n blocks and sends block j to leader j (all_to_all); leader j
+  reduces the n packed blocks (its own too) into its block, packs that, and the leaders all_gather the packed
+  results, which each unpacks, its own included, so that every rank ends with the same bits. Each leader
+  sends 2(n-1)/n of the packed bytes, what a ring sends of the unpacked ones;
+- reduce_scatter: the all_to_all and the reduction, into the caller's output;
+- all_gather: the all_gather of the packed blocks, unpacked by every leader (its own block too).
+
+Integers are never compressed, nor a dtype no wider than the wire format, nor an op below
+HETCCL_CROSS_COMPRESS_MIN bytes (a loss or a metric stays exact); both settings are agreed by every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import native
+from .dtypes import Buf, DType, ReduceOp
+from .errors import ConfigError
+
+WIRES: dict[str, tuple[int, int]] = {"bf16": (1, 2), "fp16": (2, 2), "fp8": (3, 1)}  # -> (HCCL_WIRE_*, bytes)
+
+
+def check_islands(settings: Any, labels: list[str], vendor_of: Any) -> None:
+    """Refuse the setting on a communicator whose islands include a GPU island: the device paths between
+    leaders (the zero-copy link, staging, the device ring) do not compress yet, and every leader must."""
+    if settings.cross_compress != "none" and len(set(labels)) > 1 and any(vendor_of(x) for x in labels):
+        gpus = sorted({x for x in labels if vendor_of(x)})
+        raise ConfigError(f"HETCCL_CROSS_COMPRESS={settings.cross_compress} compresses between CPU islands only so "
+                          f"far, and this communicator has GPU islands ({', '.join(gpus)}); unset it on every rank")
+
+
+def wire_for(settings: Any, dtype: DType | None, nbytes: int) -> int:
+    """The wire format (HCCL_WIRE_*) of a leaders' step of nbytes of dtype (the whole collective's size, the
+    same on every leader), or 0 where it stays uncompressed."""
+    name = settings.cross_compress
+    if name == "none" or dtype is None or not dtype.is_float or nbytes < settings.cross_compress_min:
+        return 0
+    code, size = WIRES[name]
+    return code if size < dtype.itemsize else 0
+
+
+def _blocks(count: int, n: int) -> list[tuple[int, int]]:
+    blk = -(-count // n)
+    return [(min(j * blk, count), min((j + 1) * blk, count)) for j in range(n)]
+
+
+def _packed(group: Any, nbytes: int) -> tuple[Any, Buf]:
+    scratch = group.scratch.take(nbytes)
+    return scratch, Buf(scratch[:nbytes], DType.UINT8, nbytes)
+
+
+async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int) -> None:
+    n, r = leaders.size, leaders.rank
+    blocks = _blocks(b.count, n)
+    slot = native.wire_size(blocks[0][1] - blocks[0][0], wire)
+    sent_s, sent = _packed(leaders, n * slot)
+    got_s, got = _packed(leaders, n * slot)
+    try:
+        for j, (lo, hi) in enumerate(blocks):
+            native.pack(sent.data[j * slot:], b.elems(lo, hi), hi - lo, b.dtype, wire)
+        await leaders.flat_all_to_all(got, sent)
+        lo, hi = blocks[r]
+        mine = b.elems(lo, hi)
+        for j in range(n):  # in rank order: the same sum whoever owns the block
+            native.unpack(mine, got.data[j * slot:], hi - lo, b.dtype, wire, None if j == 0 else op)
+        native.pack(sent.data[r * slot:], mine, hi - lo, b.dtype, wire)
+        await leaders.flat_all_gather(got, Buf(sent.data[r * slot:(r + 1) * slot], DType.UINT8, slot))
+        for j, (lo, hi) in enumerate(blocks):
+            native.unpack(b.elems(lo, hi), got.data[j * slot:], hi - lo, b.dtype, wire)
+    finally:
+        leaders.scratch.give(sent_s)
+        leaders.scratch.give(got_s)
+
+
+async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int) -> None:
+    n, k = leaders.size, out.count
+    slot = native.wire_size(k, wire)
+    sent_s, sent = _packed(leaders, n * slot)
+    got_s, got = _packed(leaders, n * slot)
+    try:
+        for j in range(n):
+            native.pack(sent.data[j * slot:], inp.elems(j * k, (j + 1) * k), k, inp.dtype, wire)
+        await leaders.flat_all_to_all(got, sent)
+        for j in range(n):
+            native.unpack(out.data, got.data[j * slot:], k, out.dtype, wire, None if j == 0 else op)
+    finally:
+        leaders.scratch.give(sent_s)
+        leaders.scratch.give(got_s)
+
+
+async def all_gather(leaders: Any, out: Buf, inp: Buf, wire: int) -> None:
+    n, k = leaders.size, inp.count
+    slot = native.wire_size(k, wire)
+    mine_s, mine = _packed(leaders, slot)
+    got_s, got = _packed(leaders, n * slot)
+    try:
+        native.pack(mine.data, inp.data, k, inp.dtype, wire)
+        await leaders.flat_all_gather(got, mine)
+        for j in range(n):
+            native.unpack(out.elems(j * k, (j + 1) * k), got.data[j * slot:], k, out.dtype, wire)
+    finally:
+        leaders.scratch.give(mine_s)
+        leaders.scratch.give(got_s)

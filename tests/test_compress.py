@@ -1,0 +1,92 @@
+"""HETCCL_CROSS_COMPRESS (issue 33): the wire formats against ml_dtypes' conversions, and compressed
+collectives between CPU islands, on real rank processes, against an fp64 reference within each format's bound.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from rankrun import run_ranks
+
+from hetccl import native
+from hetccl.dtypes import DType, ReduceOp
+
+BF16, FP16, FP8 = 1, 2, 3
+GROUP = 1024  # e4m3 values per scale (HCCL_FP8_GROUP)
+
+
+def _round_trip(x: np.ndarray, dtype: DType, wire: int) -> np.ndarray:
+    packed = np.zeros(native.wire_size(len(x), wire), np.uint8)
+    native.pack(packed, x, len(x), dtype, wire)
+    back = np.zeros_like(x)
+    native.unpack(back, packed, len(x), dtype, wire)
+    return back
+
+
+def _e4m3_values() -> np.ndarray:
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return vals[np.isfinite(vals)]
+
+
+def test_bf16_and_fp16_round_to_nearest_even_as_ml_dtypes() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(70_000) * 2.0 ** rng.integers(-30, 30, 70_000)).astype(np.float32)
+    x[:6] = [np.inf, -np.inf, 1e38, 70_000.0, 2.0 ** -20, 0.0]
+    np.testing.assert_array_equal(_round_trip(x, DType.FLOAT32, BF16), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    with np.errstate(over="ignore"):  # numpy's cast to inf
+        want = x.astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(_round_trip(x, DType.FLOAT32, FP16), want)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -20, 2.0 ** 40])
+def test_fp8_is_e4m3_with_a_power_of_two_scale(scale: float) -> None:
+    """Values exact in e4m3 after scaling come back exact; others round to the nearest scaled e4m3 value;
+    the scale is per group of 1024 and makes no NaN or inf; inf and NaN in the data arrive as NaN."""
+    grid = _e4m3_values()
+    exact = np.resize(grid, 3 * GROUP).astype(np.float32) * np.float32(scale)
+    exact[::GROUP] = 448 * scale  # every group's largest magnitude: its scale is `scale` itself
+    np.testing.assert_array_equal(_round_trip(exact, DType.FLOAT32, FP8), exact)
+    rng = np.random.default_rng(1)
+    x = (rng.uniform(-448, 448, 4 * GROUP) * scale).astype(np.float32)
+    x[::GROUP] = 448 * scale
+    want = (x / np.float32(scale)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(scale)
+    np.testing.assert_array_equal(_round_trip(x, DType.FLOAT32, FP8), want)
+    special = np.array([np.inf, -np.inf, np.nan, 1.0, 0.0, -2.0], np.float32)
+    got = _round_trip(special, DType.FLOAT32, FP8)
+    assert np.isnan(got[:3]).all() and np.array_equal(got[3:], special[3:]), got
+    tiny = np.full(GROUP + 5, 3e-45, np.float32)  # subnormal float32: the scale stays a normal float
+    assert np.isfinite(_round_trip(tiny, DType.FLOAT32, FP8)).all()
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64])
+def test_unpack_reduces_in_the_callers_dtype(dtype: DType) -> None:
+    np_dt = {DType.FLOAT16: np.float16, DType.BFLOAT16: ml_dtypes.bfloat16, DType.FLOAT64: np.float64}[dtype]
+    x = np.linspace(-3, 3, 5000).astype(np_dt)
+    acc = np.full(5000, 0.5, np_dt)
+    packed = np.zeros(native.wire_size(5000, FP8), np.uint8)
+    native.pack(packed, x, 5000, dtype, FP8)
+    native.unpack(acc, packed, 5000, dtype, FP8, ReduceOp.SUM)
+    back = np.zeros(5000, np_dt)
+    native.unpack(back, packed, 5000, dtype, FP8)
+    np.testing.assert_array_equal(acc, (back.astype(np.float32) + np.float32(0.5)).astype(np_dt))
+    assert np.abs(back.astype(np.float64) - x.astype(np.float64)).max() <= 3 * 2.0 ** -4
+
+
+# 2, 3 and 4 CPU islands, one path each: two hosts over TCP, three islands over shared memory, and islands of
+# 2+1+1 ranks (an island step inside) between hosts; chunks of 64 KiB so that an op spans several
+LAYOUTS = {
+    "2 hosts": ("cpu-a,cpu-b", {"HETCCL_HOST": "a,b"}),
+    "3 shm": ("cpu-a,cpu-b,cpu-c", {}),
+    "2+1+1 hosts": ("cpu-a,cpu-a,cpu-b,cpu-c", {"HETCCL_HOST": "a,b,b,b", "HETCCL_TRANSPORTS": "tcp"}),
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_compressed_collectives_within_bound(layout: str) -> None:
+    islands, env = LAYOUTS[layout]
+    env = {**env, "TEST_ISLANDS": islands, "HETCCL_CROSS_COMPRESS": "bf16", "HETCCL_CROSS_COMPRESS_MIN": "0",
+           "HETCCL_STAGE_BYTES": "64K"}
+    run_ranks(islands.count(",") + 1, "workers:compressed", env=env, timeout=140, counts=[1, 7, 1500, 70_000])
