@@ -1,6 +1,7 @@
 """all_reduce, all_gather and reduce_scatter between CPU islands (async API), side by side in one run.
 
     python benchmarks/islands_cpu.py [--ranks 2] [--sizes 16M,64M] [--paths shm,hosts] [--repo OTHER_CHECKOUT]
+                                     [--compress none,bf16,fp8]
 
 Every rank is its own island (HETCCL_ISLAND=cpu-<rank>); "shm" keeps them on one host (shared memory between
 them), "hosts" makes each rank its own host (HETCCL_HOST=h0,h1,...: TCP between them). Per op and size: one
@@ -8,7 +9,8 @@ checked call, 2 warm-up calls, then --iters timed calls, each `barrier; t0; op; 
 slowest rank's, and the table shows the median with nccl-tests' bus bandwidth (all_reduce 2(n-1)/n, all_gather
 and reduce_scatter (n-1)/n of size / time; size: all_gather's output, reduce_scatter's input). --repo imports
 hetccl from another checkout (its native library built), for a before/after in one run: the two are
-interleaved size by size.
+interleaved size by size. --compress runs each HETCCL_CROSS_COMPRESS value as a variant (interleaved too), with
+its time against the first one's.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ async def rank_main(sizes: list[int], iters: int) -> None:
     await comm.close()
 
 
-def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None) -> list[dict]:
+def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, compress: str | None = None
+            ) -> list[dict]:
     port = free_port()
     env = dict(os.environ)
+    if compress is not None:
+        env["HETCCL_CROSS_COMPRESS"] = compress
     root = repo or str(HERE.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     procs = []
@@ -108,27 +113,35 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each job")
+    ap.add_argument("--compress", default=None, help="HETCCL_CROSS_COMPRESS values to compare, e.g. none,bf16,fp8")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    variants = [("this", None)] + ([("before", args.repo)] if args.repo else [])
+    variants: list[tuple[str, str | None, str | None]] = [("this", None, None)]
+    if args.compress:
+        variants = [(c, None, c) for c in args.compress.split(",")]
+    if args.repo:
+        variants.append(("before", args.repo, None))
     print(f"# CPU islands, {args.ranks} ranks, each its own island; {time.strftime('%Y-%m-%d')}, "
           f"{os.cpu_count()} CPUs; {' '.join(sys.argv)}")
-    print("| path | op | size | " + " | ".join(f"{v} ms / busbw GB/s" for v, _ in variants) + " |")
-    print("|---|---|---|" + "---|" * len(variants))
+    ratio = f" | time against {variants[0][0]}" if len(variants) > 1 else ""
+    print("| path | op | size | " + " | ".join(f"{v} ms / busbw GB/s" for v, _, _ in variants) + ratio + " |")
+    print("|---|---|---|" + "---|" * (len(variants) + bool(ratio)))
     for path in args.paths.split(","):
-        got: dict[str, list[list[dict]]] = {v: [] for v, _ in variants}
+        got: dict[str, list[list[dict]]] = {v: [] for v, _, _ in variants}
         for _ in range(args.reps):
-            for v, repo in variants:  # interleaved
-                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo))
-        for i in range(len(got["this"][0])):
-            cells = []
-            for v, _ in variants:
-                ms = statistics.median(rows[i]["ms"] for rows in got[v])
+            for v, repo, compress in variants:  # interleaved
+                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo, compress))
+        first = variants[0][0]
+        for i in range(len(got[first][0])):
+            cells, ms_of = [], {}
+            for v, _, _ in variants:
+                ms_of[v] = statistics.median(rows[i]["ms"] for rows in got[v])
                 bw = statistics.median(rows[i]["busbw"] for rows in got[v])
-                cells.append(f"{ms:.1f} / {bw:.2f}")
-            row = got["this"][0][i]
+                cells.append(f"{ms_of[v]:.1f} / {bw:.2f}")
+            if ratio:
+                cells.append(" / ".join(f"{ms_of[v] / ms_of[first]:.2f}x" for v, _, _ in variants[1:]))
+            row = got[first][0][i]
             print(f"| {path} | {row['op']} | {row['size'] >> 20} MiB | " + " | ".join(cells) + " |", flush=True)
-
 
 if __name__ == "__main__":
     main()

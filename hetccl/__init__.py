@@ -14,9 +14,9 @@ import os
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from . import lifecycle
+from . import lifecycle, params
 from .communicator import Communicator
-from .config import Identity, Settings, identity_from_env, parse_addr
+from .config import RANK_VARIABLES, Identity, Settings, identity_from_env, parse_addr
 from .dtypes import DType, ReduceOp
 from .errors import (
     AuthenticationError,
@@ -46,6 +46,7 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
     "timeout", see hetccl/params.py) to values, laid over the environment's; `secret` is the job secret
     (HETCCL_SECRET). Both are checked as the environment's values are.
     """
+    params.warn_unknown(RANK_VARIABLES)
     if rank is None and world_size is None:
         ident = identity_from_env()
         if addr is not None:

@@ -26,6 +26,8 @@ This module is layer 0: it imports only the standard library and `errors`.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import sys
@@ -531,6 +533,27 @@ def in_effect(env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]
         shown = "(set)" if p.secret and value else (p.default_text() if source == "default" else value)
         out[p.name] = {"source": source, "value": shown}
     return out
+
+
+def unknown(env: Mapping[str, str], known: Iterable[str] = ()) -> list[tuple[str, str | None]]:
+    """The HETCCL_* variables of env that are no setting (nor one of `known`), each with the closest name that
+    is (None where none is close): a misspelt setting would otherwise do nothing."""
+    names = set(TABLE) | set(known)
+    return [(k, next(iter(difflib.get_close_matches(k, names, n=1, cutoff=0.6)), None))
+            for k in sorted(env) if k.startswith("HETCCL_") and k not in names]
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown(known: Iterable[str] = ()) -> None:
+    """Log a warning, once per process and name, for each unknown HETCCL_* variable of the environment."""
+    for name, close in unknown(os.environ, known):
+        if name not in _warned:
+            _warned.add(name)
+            hint = f"; did you mean {close}?" if close else ""
+            logging.getLogger("hetccl").warning("hetccl: %s is not a hetccl setting and does nothing%s (`hetccl "
+                                                "info` lists the settings)", name, hint)
 
 
 # README rows for the rank variables (config.RANK_VARIABLES): not parameters, but the reader looks here first

@@ -250,3 +250,29 @@ def test_a_forked_child_reads_its_own_environment(monkeypatch: pytest.MonkeyPatc
     os.waitpid(pid, 0)
     assert os.read(r, 16) == b"6"
     os.close(r)
+
+
+def test_an_unknown_variable_is_named_once_with_the_closest_setting(monkeypatch, caplog) -> None:
+    """A misspelt setting would do nothing in silence: init warns once per name, naming the closest one."""
+    import asyncio
+    import logging
+
+    import hetccl
+
+    monkeypatch.setenv("HETCCL_TIMEOUTT", "5")
+    monkeypatch.setenv("HETCCL_ZZZQQQ", "1")
+    monkeypatch.setattr(params, "_warned", set())
+    monkeypatch.delenv("HETCCL_ADDR", raising=False)
+
+    async def twice() -> None:
+        for _ in range(2):
+            comm = await hetccl.init(rank=0, world_size=1)
+            await comm.close()
+
+    with caplog.at_level(logging.WARNING, logger="hetccl"):
+        asyncio.run(twice())
+    said = [r.getMessage() for r in caplog.records if "is not a hetccl setting" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "HETCCL_TIMEOUTT" in said[0] and "did you mean HETCCL_TIMEOUT?" in said[0], said
+    assert "HETCCL_ZZZQQQ" in said[1] and "did you mean" not in said[1], said
+    assert params.unknown({"HETCCL_RANK": "0", "HETCCL_TIMEOUT": "5"}, ["HETCCL_RANK"]) == []
