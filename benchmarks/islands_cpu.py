@@ -1,7 +1,7 @@
 """all_reduce, all_gather and reduce_scatter between CPU islands (async API), side by side in one run.
 
     python benchmarks/islands_cpu.py [--ranks 2] [--sizes 16M,64M] [--paths shm,hosts] [--repo OTHER_CHECKOUT]
-                                     [--compress none,bf16,fp8]
+                                     [--compress none,bf16,fp8] [--link-gbit 10]
 
 Every rank is its own island (HETCCL_ISLAND=cpu-<rank>); "shm" keeps them on one host (shared memory between
 them), "hosts" makes each rank its own host (HETCCL_HOST=h0,h1,...: TCP between them). Per op and size: one
@@ -10,7 +10,9 @@ slowest rank's, and the table shows the median with nccl-tests' bus bandwidth (a
 and reduce_scatter (n-1)/n of size / time; size: all_gather's output, reduce_scatter's input). --repo imports
 hetccl from another checkout (its native library built), for a before/after in one run: the two are
 interleaved size by size. --compress runs each HETCCL_CROSS_COMPRESS value as a variant (interleaved too), with
-its time against the first one's.
+its time against the first one's. The "veth" path (root, 2 ranks) puts the two ranks in two network namespaces
+joined by a veth pair shaped to --link-gbit (tc tbf on both ends): two hosts on an Ethernet link of that rate,
+where loopback TCP costs what a memory copy costs.
 """
 
 from __future__ import annotations
@@ -76,8 +78,8 @@ async def rank_main(sizes: list[int], iters: int) -> None:
     await comm.close()
 
 
-def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, compress: str | None = None
-            ) -> list[dict]:
+def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, compress: str | None = None,
+            link_gbit: float = 10.0) -> list[dict]:
     port = free_port()
     env = dict(os.environ)
     if compress is not None:
@@ -85,24 +87,49 @@ def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, c
     root = repo or str(HERE.parent)
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     procs = []
+    hosts = _shaped_link(link_gbit) if path == "veth" else None
+    addr = f"127.0.0.1:{port}" if hosts is None else f"{hosts.addr[0]}:{hosts.free_port(0)}"
     for r in range(n):
-        e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=f"127.0.0.1:{port}",
+        e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=addr,
                  HETCCL_ISLAND=f"cpu-{r}", HETCCL_LOCAL_RANK=str(r), HETCCL_SECRET="islands-bench-secret")
         if path == "hosts":
             e["HETCCL_HOST"] = ",".join(f"h{q}" for q in range(n))
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import asyncio, islands_cpu; "
                 f"asyncio.run(islands_cpu.rank_main({sizes!r}, {iters}))")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=e, cwd=root, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [sys.executable, "-c", code]
+        if hosts is not None:
+            cmd = ["ip", "netns", "exec", hosts.ns[r % 2], *cmd]
+        procs.append(subprocess.Popen(cmd, env=e, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     rows: list[dict] = []
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=600)
-        if p.returncode != 0:
-            raise SystemExit(f"rank {r} ({path}, repo {root}) exited {p.returncode}:\n{err[-3000:]}")
-        for line in out.splitlines():
-            if line.startswith("ROWS "):
-                rows = json.loads(line[5:])
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise SystemExit(f"rank {r} ({path}, repo {root}) exited {p.returncode}:\n{err[-3000:]}")
+            for line in out.splitlines():
+                if line.startswith("ROWS "):
+                    rows = json.loads(line[5:])
+    finally:
+        if hosts is not None:
+            hosts.destroy()
     return rows
+
+
+def _shaped_link(gbit: float):  # -> tests/netns.TwoHosts
+    """Two network namespaces joined by a veth pair that carries at most `gbit` Gbit/s each way."""
+    import tempfile
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from netns import TwoHosts
+
+    hosts = TwoHosts(Path(tempfile.mkdtemp(prefix="islands-veth-")))
+    hosts.create()
+    burst = max(1 << 20, int(gbit * 1e9 / 8 / 100))  # 10 ms of the rate: tbf's bucket outlasts the kernel's tick
+    for i in (0, 1):
+        hosts.exec(i, "tc", "qdisc", "add", "dev", hosts.veth[i], "root", "tbf", "rate", f"{gbit}gbit",
+                   "burst", str(burst), "latency", "50ms")
+    return hosts
 
 
 def main() -> None:
@@ -113,6 +140,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each job")
+    ap.add_argument("--link-gbit", type=float, default=10.0, help="the veth path's rate, Gbit/s each way")
     ap.add_argument("--compress", default=None, help="HETCCL_CROSS_COMPRESS values to compare, e.g. none,bf16,fp8")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -130,7 +158,7 @@ def main() -> None:
         got: dict[str, list[list[dict]]] = {v: [] for v, _, _ in variants}
         for _ in range(args.reps):
             for v, repo, compress in variants:  # interleaved
-                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo, compress))
+                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo, compress, args.link_gbit))
         first = variants[0][0]
         for i in range(len(got[first][0])):
             cells, ms_of = [], {}

@@ -16,6 +16,7 @@ HETCCL_CROSS_COMPRESS_MIN bytes (a loss or a metric stays exact); both settings 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from . import native
@@ -54,27 +55,61 @@ def _packed(group: Any, nbytes: int) -> tuple[Any, Buf]:
     return scratch, Buf(scratch[:nbytes], DType.UINT8, nbytes)
 
 
-async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int) -> None:
-    n, r = leaders.size, leaders.rank
-    blocks = _blocks(b.count, n)
-    slot = native.wire_size(blocks[0][1] - blocks[0][0], wire)
-    sent_s, sent = _packed(leaders, n * slot)
-    got_s, got = _packed(leaders, n * slot)
-    try:
-        for j, (lo, hi) in enumerate(blocks):
-            native.pack(sent.data[j * slot:], b.elems(lo, hi), hi - lo, b.dtype, wire)
-        await leaders.flat_all_to_all(got, sent)
-        lo, hi = blocks[r]
-        mine = b.elems(lo, hi)
+async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list[tuple[int, int]]) -> None:
+    """b's byte ranges `pieces` one after the other, pipelined: piece i is packed while piece i-1's results
+    cross, and piece i-1's are unpacked while piece i crosses (the kernel sends what the sockets hold while
+    this thread packs). The collectives are issued in one fixed order (all_to_all i, all_gather i, all_to_all
+    i+1, ...) on every leader. The codec on hetccl's loop thread, not a worker thread: with a pool thread the
+    64 MiB all_reduce over a 10 Gbit/s veth took 133 ms instead of 88 (2 cores, 2026-12-04)."""
+    n, r, isz = leaders.size, leaders.rank, b.dtype.itemsize
+    parts = [Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz) for lo, hi in pieces]
+    slot = native.wire_size(-(-max(p.count for p in parts) // n), wire)
+    sets = [(_packed(leaders, n * slot), _packed(leaders, n * slot)) for _ in range(min(2, len(parts)))]
+
+    def pack_blocks(p: Buf, sent: Buf) -> None:
+        for j, (lo, hi) in enumerate(_blocks(p.count, n)):
+            native.pack(sent.data[j * slot:], p.elems(lo, hi), hi - lo, p.dtype, wire)
+
+    def reduce_mine(p: Buf, got: Buf, sent: Buf) -> None:
+        lo, hi = _blocks(p.count, n)[r]
+        mine = p.elems(lo, hi)
         for j in range(n):  # in rank order: the same sum whoever owns the block
-            native.unpack(mine, got.data[j * slot:], hi - lo, b.dtype, wire, None if j == 0 else op)
-        native.pack(sent.data[r * slot:], mine, hi - lo, b.dtype, wire)
-        await leaders.flat_all_gather(got, Buf(sent.data[r * slot:(r + 1) * slot], DType.UINT8, slot))
-        for j, (lo, hi) in enumerate(blocks):
-            native.unpack(b.elems(lo, hi), got.data[j * slot:], hi - lo, b.dtype, wire)
+            native.unpack(mine, got.data[j * slot:], hi - lo, p.dtype, wire, None if j == 0 else op)
+        native.pack(sent.data[r * slot:], mine, hi - lo, p.dtype, wire)
+
+    def unpack_all(p: Buf, got: Buf) -> None:
+        for j, (lo, hi) in enumerate(_blocks(p.count, n)):
+            native.unpack(p.elems(lo, hi), got.data[j * slot:], hi - lo, p.dtype, wire)
+
+    flying: list[asyncio.Future] = []
+    gathered: tuple[asyncio.Future, Buf, Buf] | None = None  # the previous piece's all_gather
+    try:
+        for i, p in enumerate(parts):
+            (_, sent), (_, got) = sets[i % 2]
+            pack_blocks(p, sent)
+            a2a = asyncio.ensure_future(leaders.flat_all_to_all(got, sent))
+            flying.append(a2a)
+            if gathered is not None:
+                await gathered[0]
+                unpack_all(gathered[1], gathered[2])
+            await a2a
+            reduce_mine(p, got, sent)
+            ag = asyncio.ensure_future(leaders.flat_all_gather(got, Buf(sent.data[r * slot:(r + 1) * slot],
+                                                                        DType.UINT8, slot)))
+            flying.append(ag)
+            gathered = (ag, p, got)
+        if gathered is not None:
+            await gathered[0]
+            unpack_all(gathered[1], gathered[2])
     finally:
-        leaders.scratch.give(sent_s)
-        leaders.scratch.give(got_s)
+        left = [f for f in flying if not f.done()]
+        for f in left:
+            f.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)  # no transfer into scratch given back
+        for (sent_s, _), (got_s, _) in sets:
+            leaders.scratch.give(sent_s)
+            leaders.scratch.give(got_s)
 
 
 async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int) -> None:

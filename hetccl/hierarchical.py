@@ -117,14 +117,13 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
             # the same chunks as a GPU leader's staging, so every leader issues the same collectives
             isz = b.dtype.itemsize
             wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
-            for i, (lo, hi) in enumerate(_chunks(b.count, isz)):
+            if wire:  # CPU leaders only (compress.check_islands): never a stage
+                await compress.all_reduce(lay.leaders, b, inner, wire, _chunks(b.count, isz))
+            for i, (lo, hi) in enumerate([] if wire else _chunks(b.count, isz)):
                 part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
                 if stage is not None:
                     await stage.arrived(i, _deadline(group), "cross-island all_reduce")
-                if wire:
-                    await compress.all_reduce(lay.leaders, part, inner, wire)
-                else:
-                    await lay.leaders.flat_all_reduce(part, inner)
+                await lay.leaders.flat_all_reduce(part, inner)
                 if stage is not None:
                     if rop == ReduceOp.AVG:
                         native.divide(part.data, b.dtype, group.size)
