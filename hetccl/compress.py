@@ -17,6 +17,7 @@ HETCCL_CROSS_COMPRESS_MIN bytes (a loss or a metric stays exact); both settings 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import native
@@ -112,32 +113,75 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
             leaders.scratch.give(got_s)
 
 
-async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int) -> None:
+def _ranges(k: int, piece: int) -> list[tuple[int, int]]:
+    piece = max(1, piece)
+    return [(a, min(a + piece, k)) for a in range(0, max(k, 1), piece)]
+
+
+async def _pipelined(leaders: Any, count: int, sent_bytes: int, got_bytes: int,
+                     pack: Callable[[int, Buf], None], collective: Callable[[int, Buf, Buf], Awaitable[None]],
+                     unpack: Callable[[int, Buf], None]) -> None:
+    """count pieces, each packed, crossed by one collective and unpacked, in two sets of scratch: piece i is
+    packed while piece i-1 crosses, then piece i-1 unpacked while piece i crosses; the collectives are issued
+    in piece order on every leader."""
+    sets = [(_packed(leaders, sent_bytes), _packed(leaders, got_bytes)) for _ in range(min(2, count))]
+    flying: list[asyncio.Future] = []
+    try:
+        for i in range(count):
+            (_, sent), (_, got) = sets[i % 2]
+            pack(i, sent)
+            flying.append(asyncio.ensure_future(collective(i, sent, got)))
+            if i:
+                await flying[i - 1]
+                unpack(i - 1, sets[(i - 1) % 2][1][1])
+        if flying:
+            await flying[-1]
+            unpack(count - 1, sets[(count - 1) % 2][1][1])
+    finally:
+        left = [f for f in flying if not f.done()]
+        for f in left:
+            f.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)  # no transfer into scratch given back
+        for (sent_s, _), (got_s, _) in sets:
+            leaders.scratch.give(sent_s)
+            leaders.scratch.give(got_s)
+
+
+async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int, piece: int) -> None:
+    """Pieces of `piece` elements of each leader's block, pipelined (_pipelined)."""
     n, k = leaders.size, out.count
-    slot = native.wire_size(k, wire)
-    sent_s, sent = _packed(leaders, n * slot)
-    got_s, got = _packed(leaders, n * slot)
-    try:
+    ranges = _ranges(k, piece)
+    slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
+
+    def pack(i: int, sent: Buf) -> None:
+        a, b = ranges[i]
         for j in range(n):
-            native.pack(sent.data[j * slot:], inp.elems(j * k, (j + 1) * k), k, inp.dtype, wire)
-        await leaders.flat_all_to_all(got, sent)
+            native.pack(sent.data[j * slot:], inp.elems(j * k + a, j * k + b), b - a, inp.dtype, wire)
+
+    def unpack(i: int, got: Buf) -> None:
+        a, b = ranges[i]
         for j in range(n):
-            native.unpack(out.data, got.data[j * slot:], k, out.dtype, wire, None if j == 0 else op)
-    finally:
-        leaders.scratch.give(sent_s)
-        leaders.scratch.give(got_s)
+            native.unpack(out.elems(a, b), got.data[j * slot:], b - a, out.dtype, wire, None if j == 0 else op)
+
+    await _pipelined(leaders, len(ranges), n * slot, n * slot, pack,
+                     lambda i, sent, got: leaders.flat_all_to_all(got, sent), unpack)
 
 
-async def all_gather(leaders: Any, out: Buf, inp: Buf, wire: int) -> None:
+async def all_gather(leaders: Any, out: Buf, inp: Buf, wire: int, piece: int) -> None:
+    """Pieces of `piece` elements of each leader's block, pipelined (_pipelined); inp may be out's own block."""
     n, k = leaders.size, inp.count
-    slot = native.wire_size(k, wire)
-    mine_s, mine = _packed(leaders, slot)
-    got_s, got = _packed(leaders, n * slot)
-    try:
-        native.pack(mine.data, inp.data, k, inp.dtype, wire)
-        await leaders.flat_all_gather(got, mine)
+    ranges = _ranges(k, piece)
+    slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
+
+    def pack(i: int, sent: Buf) -> None:
+        a, b = ranges[i]
+        native.pack(sent.data, inp.elems(a, b), b - a, inp.dtype, wire)
+
+    def unpack(i: int, got: Buf) -> None:
+        a, b = ranges[i]
         for j in range(n):
-            native.unpack(out.elems(j * k, (j + 1) * k), got.data[j * slot:], k, out.dtype, wire)
-    finally:
-        leaders.scratch.give(mine_s)
-        leaders.scratch.give(got_s)
+            native.unpack(out.elems(j * k + a, j * k + b), got.data[j * slot:], b - a, out.dtype, wire)
+
+    await _pipelined(leaders, len(ranges), slot, n * slot, pack,
+                     lambda i, sent, got: leaders.flat_all_gather(got, sent), unpack)

