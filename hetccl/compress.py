@@ -20,6 +20,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from . import native
 from .dtypes import Buf, DType, ReduceOp
 from .errors import ConfigError
@@ -44,6 +46,21 @@ def wire_for(settings: Any, dtype: DType | None, nbytes: int) -> int:
         return 0
     code, size = WIRES[name]
     return code if size < dtype.itemsize else 0
+
+
+def round_trip(b: Buf, wire: int, pieces: list[tuple[int, int]], n: int) -> Any:
+    """b's bytes as all_reduce's first hop between n leaders carries them (a new uint8 array): each piece's n
+    blocks packed and unpacked, as all_reduce below packs them. What an error-feedback hook keeps the rest of
+    (hetccl.torch.hooks)."""
+    out = np.empty_like(b.data)
+    isz = b.dtype.itemsize
+    for lo, hi in pieces:
+        part, back = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz), Buf(out[lo:hi], b.dtype, (hi - lo) // isz)
+        for a, z in _blocks(part.count, n):
+            packed = np.empty(native.wire_size(z - a, wire), np.uint8)
+            native.pack(packed, part.elems(a, z), z - a, b.dtype, wire)
+            native.unpack(back.elems(a, z), packed, z - a, b.dtype, wire)
+    return out
 
 
 def _blocks(count: int, n: int) -> list[tuple[int, int]]:

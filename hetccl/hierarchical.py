@@ -100,6 +100,17 @@ def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
     return [(off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step)]
 
 
+def first_hop(group: Group, b: Buf) -> np.ndarray | None:
+    """b's bytes as all_reduce's leaders' step between islands sends them (compress.round_trip), or None where
+    it sends them as they are (no compression for this buffer, or islands of several ranks, whose leaders send
+    their island's sum rather than this rank's values)."""
+    lay = group.island_layout
+    if lay is None or lay.leaders is None or any(len(m) > 1 for m in lay.islands):
+        return None
+    wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
+    return compress.round_trip(b, wire, _chunks(b.count, b.dtype.itemsize), lay.leaders.size) if wire else None
+
+
 async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> None:
     """Reduce to each island's leader, all_reduce among leaders (device data staged through pinned host
     memory, or over the zero-copy link), broadcast inside each island. Host buffers (CPU islands) take the

@@ -90,3 +90,15 @@ def test_compressed_collectives_within_bound(layout: str) -> None:
     env = {**env, "TEST_ISLANDS": islands, "HETCCL_CROSS_COMPRESS": "bf16", "HETCCL_CROSS_COMPRESS_MIN": "0",
            "HETCCL_STAGE_BYTES": "64K"}
     run_ranks(islands.count(",") + 1, "workers:compressed", env=env, timeout=140, counts=[1, 7, 1500, 70_000])
+
+
+@pytest.mark.timeout(150)
+def test_error_feedback_keeps_ddp_on_the_uncompressed_loss() -> None:
+    """torchrun, two CPU islands as two hosts, DDP with fp8 between them (tests/torch_workers.py error_feedback)."""
+    pytest.importorskip("torch")
+    from test_torch_backend import run_torchrun
+
+    env = {"TEST_ISLANDS": "cpu-0,cpu-1", "HETCCL_HOST": "h0,h1", "HETCCL_CROSS_COMPRESS": "fp8",
+           "HETCCL_CROSS_COMPRESS_MIN": "0"}
+    proc = run_torchrun(2, "error_feedback", env=env, timeout=140)
+    print(proc.stdout)

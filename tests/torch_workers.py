@@ -383,6 +383,48 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
     dist.destroy_process_group()
 
 
+def case_error_feedback() -> None:
+    """HETCCL_CROSS_COMPRESS=fp8 with hetccl.torch.hooks.error_feedback_hook: DDP, 200 SGD steps of an
+    ill-conditioned least squares (one feature in 64 at scale 1, the rest at 0.02: their gradients are small
+    beside the largest one of their fp8 group). The run without compression, with fp8 alone and with fp8 and
+    error feedback, one after the other (the communicator's settings switched on every rank at the same point):
+    feedback ends within 1 % of the uncompressed loss and closer to it than fp8 alone, which differs."""
+    from hetccl.torch import hooks
+
+    dev = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    settings = dist.distributed_c10d._get_default_group()._get_backend(dev).comm.async_comm.settings
+    d, rows = 1024, 2048
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.where(torch.arange(d) % 64 == 0, 1.0, 0.02)
+    x = torch.randn(rows * n, d, generator=gen) * scale
+    y = x @ torch.randn(d, generator=gen)
+    mine = slice(r * rows, (r + 1) * rows)
+
+    def train(wire: str, hook: object, state: object) -> float:
+        settings.cross_compress = wire
+        model = torch.nn.Linear(d, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(200):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x[mine]).squeeze(1), y[mine]).backward()
+            opt.step()
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(x).squeeze(1), y).item()
+
+    plain = train("none", hooks.allreduce_hook, None)
+    fp8 = train("fp8", hooks.allreduce_hook, None)
+    fed = train("fp8", hooks.error_feedback_hook, hooks.ErrorFeedback())
+    print(f"rank {r}: loss uncompressed {plain:.7g}, fp8 {fp8:.7g}, fp8 + error feedback {fed:.7g}", flush=True)
+    assert fp8 != plain, "fp8 changed nothing: the gradients were not compressed"
+    assert abs(fed - plain) <= 0.01 * plain, (fed, plain)
+    assert abs(fed - plain) < abs(fp8 - plain), (fed, fp8, plain)
+    dist.destroy_process_group()
+
+
 def _fsdp_model() -> torch.nn.Module:
     # 33 and 5 rows do not split evenly over 2 or 3 ranks: FSDP2 pads its shards
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5), torch.nn.Tanh(),

@@ -3,6 +3,7 @@
     from hetccl.torch import hooks
     ddp.register_comm_hook(None, hooks.allreduce_hook)        # state: a process group, or None for WORLD
     ddp.register_comm_hook(None, hooks.bf16_compress_hook)    # or hooks.fp16_compress_hook
+    ddp.register_comm_hook(hooks.ErrorFeedback(), hooks.error_feedback_hook)  # with HETCCL_CROSS_COMPRESS
 
 Each hook launches an asynchronous all-reduce (a Work whose future the event loop completes) and returns at
 once, so the reducer keeps running backward while the bucket is on the wire, like torch's built-in hooks.
@@ -47,7 +48,40 @@ def _compress_hook(dtype: torch.dtype) -> Any:
     return hook
 
 
+class ErrorFeedback:
+    """The state of `error_feedback_hook`: the process group (None: WORLD) and each bucket's residual."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.residuals: dict = {}
+
+
+def error_feedback_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket as allreduce_hook does, with error feedback for HETCCL_CROSS_COMPRESS: only the
+    bytes between islands are compressed (inside islands, and in every sum, the gradients stay fp32), and this
+    hook keeps what compression took from this rank's values (the bucket minus what crossed,
+    `Communicator.first_hop`) and adds it to the bucket's next step, so that the error does not accumulate.
+    Exact for islands of one rank each (a rank's values are what its leader sends); elsewhere, on other
+    backends and where nothing is compressed, it is allreduce_hook."""
+    group = _group(state.group)
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size(group))
+    comm = getattr(group._get_backend(buf.device), "comm", None) if buf.device.type == "cpu" else None
+    if comm is not None and buf.dtype == torch.float32 and buf.is_contiguous():
+        key = bucket.index()
+        kept = state.residuals.get(key)
+        if kept is not None and kept.shape == buf.shape:  # DDP may rebuild its buckets after the first step
+            buf.add_(kept)
+        sent = comm.async_comm.first_hop(buf.numpy())
+        if sent is not None:
+            state.residuals[key] = buf - torch.from_numpy(sent)
+        else:
+            state.residuals.pop(key, None)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 fp16_compress_hook = _compress_hook(torch.float16)
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 
-__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "ErrorFeedback", "error_feedback_hook"]
