@@ -89,15 +89,15 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
             native.pack(sent.data[j * slot:], p.elems(lo, hi), hi - lo, p.dtype, wire)
 
     def reduce_mine(p: Buf, got: Buf, sent: Buf) -> None:
+        # in rank order (the same sum whoever owns the block), packed, and my block set to what that carries
         lo, hi = _blocks(p.count, n)[r]
-        mine = p.elems(lo, hi)
-        for j in range(n):  # in rank order: the same sum whoever owns the block
-            native.unpack(mine, got.data[j * slot:], hi - lo, p.dtype, wire, None if j == 0 else op)
-        native.pack(sent.data[r * slot:], mine, hi - lo, p.dtype, wire)
+        native.unpack_reduce_pack(p.elems(lo, hi), [got.data[j * slot:(j + 1) * slot] for j in range(n)], hi - lo,
+                                  p.dtype, wire, op, sent.data[r * slot:(r + 1) * slot])
 
     def unpack_all(p: Buf, got: Buf) -> None:
         for j, (lo, hi) in enumerate(_blocks(p.count, n)):
-            native.unpack(p.elems(lo, hi), got.data[j * slot:], hi - lo, p.dtype, wire)
+            if j != r:  # mine holds its packed bits already (reduce_mine)
+                native.unpack(p.elems(lo, hi), got.data[j * slot:], hi - lo, p.dtype, wire)
 
     flying: list[asyncio.Future] = []
     gathered: tuple[asyncio.Future, Buf, Buf] | None = None  # the previous piece's all_gather

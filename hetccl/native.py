@@ -78,3 +78,15 @@ def unpack(dst: np.ndarray, src: np.ndarray | memoryview, count: int, dtype: DTy
     if count and lib.hccl_unpack(_from_buffer(_CHARS, dst, True), _from_buffer(_CHARS, src), count, dtype, wire,
                                  code):
         raise HetcclError(f"native unpack refused dtype {dtype!r} wire {wire} op {op!r}")
+
+
+def unpack_reduce_pack(dst: np.ndarray, srcs: list[np.ndarray], count: int, dtype: DType, wire: int,
+                       op: ReduceOp, packed: np.ndarray) -> None:
+    """In one pass: packed = the wire format of the reduction of the packed srcs, and dst = what it carries."""
+    if not count:
+        return
+    held = [_from_buffer(_CHARS, s) for s in srcs]  # alive for the call
+    if lib.hccl_unpack_reduce_pack(_from_buffer(_CHARS, dst, True), ffi.new("void *[]", held), len(held), count,
+                                   dtype, wire, 0 if op == ReduceOp.AVG else int(op),
+                                   _from_buffer(_CHARS, packed, True)):
+        raise HetcclError(f"native unpack_reduce_pack refused dtype {dtype!r} wire {wire} op {op!r}")

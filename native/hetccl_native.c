@@ -656,15 +656,49 @@ HCCL_HOT static void hccl_pack_fp8_group(uint8_t *restrict codes, float *restric
         codes[i] = (uint8_t)wide[i];
 }
 
+/* the tile of n values at element `at` of a packed buffer of `count` values: encode n float32 values */
+static void hccl_encode_tile(void *dst, size_t count, size_t at, const float *v, size_t n, int wire)
+{
+    if (wire == HCCL_WIRE_FP8) {
+        float s; /* HCCL_TILE == HCCL_FP8_GROUP: one group per tile */
+        uint8_t *codes = (uint8_t *)dst + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
+        hccl_pack_fp8_group(codes + at, &s, v, n);
+        memcpy((float *)dst + at / HCCL_FP8_GROUP, &s, sizeof s);
+    } else {
+        hccl_pack_half((uint16_t *)dst + at, v, n, wire == HCCL_WIRE_BF16);
+    }
+}
+
+/* ... and decode one into float32 (hccl_e4m3_init done) */
+static void hccl_decode_tile(float *restrict t, const void *src, size_t count, size_t at, size_t n, int wire)
+{
+    if (wire == HCCL_WIRE_FP8) {
+        float s;
+        const uint8_t *codes = (const uint8_t *)src + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
+        memcpy(&s, (const float *)src + at / HCCL_FP8_GROUP, sizeof s);
+        for (size_t i = 0; i < n; i++) t[i] = hccl_e4m3_values[codes[at + i]] * s;
+    } else if (wire == HCCL_WIRE_BF16) {
+        for (size_t i = 0; i < n; i++) t[i] = hccl_b2f(((const uint16_t *)src)[at + i]);
+    } else {
+        for (size_t i = 0; i < n; i++) t[i] = hccl_h2f(((const uint16_t *)src)[at + i]);
+    }
+}
+
+static int hccl_wire_args(int dtype, int wire, int op)
+{
+    if (dtype < HCCL_FLOAT16 || dtype > HCCL_FLOAT64 || hccl_wire_size(1, wire) == 0 || op >= HCCL_NUM_OPS)
+        return -1;
+    if (wire == HCCL_WIRE_FP8)
+        hccl_e4m3_init();
+    return 0;
+}
+
 int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire)
 {
     float t[HCCL_TILE];
     size_t isz = hccl_dtype_size(dtype);
-    if (dtype < HCCL_FLOAT16 || dtype > HCCL_FLOAT64 || hccl_wire_size(1, wire) == 0)
+    if (hccl_wire_args(dtype, wire, -1))
         return -1;
-    float *scales = (float *)dst;
-    uint8_t *codes = (uint8_t *)dst + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
-    uint16_t *half = (uint16_t *)dst;
     for (size_t at = 0; at < count; at += HCCL_TILE) {
         size_t n = count - at < HCCL_TILE ? count - at : HCCL_TILE;
         const float *v = t;
@@ -672,13 +706,7 @@ int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire)
             v = (const float *)src + at;
         else
             hccl_widen(t, (const char *)src + at * isz, n, dtype);
-        if (wire == HCCL_WIRE_FP8) {
-            float s; /* HCCL_TILE == HCCL_FP8_GROUP: one group per tile */
-            hccl_pack_fp8_group(codes + at, &s, v, n);
-            memcpy(scales + at / HCCL_FP8_GROUP, &s, sizeof s);
-        } else {
-            hccl_pack_half(half + at, v, n, wire == HCCL_WIRE_BF16);
-        }
+        hccl_encode_tile(dst, count, at, v, n, wire);
     }
     return 0;
 }
@@ -688,25 +716,12 @@ int hccl_unpack(void *dst, const void *src, size_t count, int dtype, int wire, i
     float t[HCCL_TILE];
     double d[HCCL_TILE];
     size_t isz = hccl_dtype_size(dtype);
-    if (dtype < HCCL_FLOAT16 || dtype > HCCL_FLOAT64 || hccl_wire_size(1, wire) == 0 || op >= HCCL_NUM_OPS)
+    if (hccl_wire_args(dtype, wire, op))
         return -1;
-    if (wire == HCCL_WIRE_FP8)
-        hccl_e4m3_init();
-    const float *scales = (const float *)src;
-    const uint8_t *codes = (const uint8_t *)src + 4 * ((count + HCCL_FP8_GROUP - 1) / HCCL_FP8_GROUP);
-    const uint16_t *half = (const uint16_t *)src;
     for (size_t at = 0; at < count; at += HCCL_TILE) {
         size_t n = count - at < HCCL_TILE ? count - at : HCCL_TILE;
         char *out = (char *)dst + at * isz;
-        if (wire == HCCL_WIRE_FP8) {
-            float s;
-            memcpy(&s, scales + at / HCCL_FP8_GROUP, sizeof s);
-            for (size_t i = 0; i < n; i++) t[i] = hccl_e4m3_values[codes[at + i]] * s;
-        } else if (wire == HCCL_WIRE_BF16) {
-            for (size_t i = 0; i < n; i++) t[i] = hccl_b2f(half[at + i]);
-        } else {
-            for (size_t i = 0; i < n; i++) t[i] = hccl_h2f(half[at + i]);
-        }
+        hccl_decode_tile(t, src, count, at, n, wire);
         void *tile = t;
         if (dtype != HCCL_FLOAT32) { /* the values in the destination's dtype (exact for float64) */
             tile = d;
@@ -716,6 +731,31 @@ int hccl_unpack(void *dst, const void *src, size_t count, int dtype, int wire, i
             memcpy(out, tile, n * isz);
         else
             hccl_reduce(out, tile, n, dtype, op);
+    }
+    return 0;
+}
+
+int hccl_unpack_reduce_pack(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int wire,
+                            int op, void *packed)
+{
+    float t[HCCL_TILE];
+    double acc[HCCL_TILE], more[HCCL_TILE];
+    size_t isz = hccl_dtype_size(dtype);
+    if (nsrc < 1 || op < 0 || hccl_wire_args(dtype, wire, op))
+        return -1;
+    for (size_t at = 0; at < count; at += HCCL_TILE) {
+        size_t n = count - at < HCCL_TILE ? count - at : HCCL_TILE;
+        hccl_decode_tile(t, srcs[0], count, at, n, wire);
+        hccl_narrow(acc, t, n, dtype);
+        for (int j = 1; j < nsrc; j++) {
+            hccl_decode_tile(t, srcs[j], count, at, n, wire);
+            hccl_narrow(more, t, n, dtype);
+            hccl_reduce(acc, more, n, dtype, op);
+        }
+        hccl_widen(t, acc, n, dtype);
+        hccl_encode_tile(packed, count, at, t, n, wire);
+        hccl_decode_tile(t, packed, count, at, n, wire); /* what every other rank unpacks */
+        hccl_narrow((char *)dst + at * isz, t, n, dtype);
     }
     return 0;
 }

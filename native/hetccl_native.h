@@ -71,6 +71,11 @@ int hccl_pack(void *dst, const void *src, size_t count, int dtype, int wire);
 /* dst (count elements of dtype) = the packed values of src (op < 0), or dst OP them (op: a reduce op code,
  * with hccl_reduce's semantics). Returns 0, or -1 for a dtype, wire or op it does not take. */
 int hccl_unpack(void *dst, const void *src, size_t count, int dtype, int wire, int op);
+/* The owner's step of a compressed all_reduce, one pass: the reduction (op, in dtype, in order) of the nsrc
+ * packed buffers srcs[0..nsrc-1] of count values is packed into `packed`, and dst (count elements of dtype)
+ * receives what that packing carries, the bits every other rank unpacks. Returns 0, or -1 as hccl_unpack. */
+int hccl_unpack_reduce_pack(void *dst, const void *const *srcs, int nsrc, size_t count, int dtype, int wire,
+                            int op, void *packed);
 
 /* Shared-memory synchronisation on 64-bit counters living in a MAP_SHARED mapping (8-byte aligned). */
 uint64_t hccl_load_acquire(const uint64_t *addr);
