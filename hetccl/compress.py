@@ -73,6 +73,19 @@ def _packed(group: Any, nbytes: int) -> tuple[Any, Buf]:
     return scratch, Buf(scratch[:nbytes], DType.UINT8, nbytes)
 
 
+async def _settle(leaders: Any, flying: list[asyncio.Future], sets: list[tuple[Any, Any]]) -> None:
+    """Cancel and await the pieces' collectives still in flight, then give their scratch back (no transfer
+    lands in scratch given back)."""
+    left = [f for f in flying if not f.done()]
+    for f in left:
+        f.cancel()
+    if left:
+        await asyncio.gather(*left, return_exceptions=True)
+    for (sent_s, _), (got_s, _) in sets:
+        leaders.scratch.give(sent_s)
+        leaders.scratch.give(got_s)
+
+
 async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list[tuple[int, int]]) -> None:
     """b's byte ranges `pieces` one after the other, pipelined: piece i is packed while piece i-1's results
     cross, and piece i-1's are unpacked while piece i crosses (the kernel sends what the sockets hold while
@@ -120,14 +133,7 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
             await gathered[0]
             unpack_all(gathered[1], gathered[2])
     finally:
-        left = [f for f in flying if not f.done()]
-        for f in left:
-            f.cancel()
-        if left:
-            await asyncio.gather(*left, return_exceptions=True)  # no transfer into scratch given back
-        for (sent_s, _), (got_s, _) in sets:
-            leaders.scratch.give(sent_s)
-            leaders.scratch.give(got_s)
+        await _settle(leaders, flying, sets)
 
 
 def _ranges(k: int, piece: int) -> list[tuple[int, int]]:
@@ -155,14 +161,7 @@ async def _pipelined(leaders: Any, count: int, sent_bytes: int, got_bytes: int,
             await flying[-1]
             unpack(count - 1, sets[(count - 1) % 2][1][1])
     finally:
-        left = [f for f in flying if not f.done()]
-        for f in left:
-            f.cancel()
-        if left:
-            await asyncio.gather(*left, return_exceptions=True)  # no transfer into scratch given back
-        for (sent_s, _), (got_s, _) in sets:
-            leaders.scratch.give(sent_s)
-            leaders.scratch.give(got_s)
+        await _settle(leaders, flying, sets)
 
 
 async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int, piece: int) -> None:
