@@ -312,28 +312,29 @@ class Fabric:
         return m
 
     async def _gather_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's record, waiting at most the timeout for all of them; while ranks are missing, say which
-        now and then (waits.WaitNotes), asking the store in slices between the lines."""
+        """Every rank's record (this rank's is in the store), waiting at most the timeout for all of them, in a
+        few round trips per rank whatever the size: a count of the ranks that joined, whose last sets
+        `joined/all`, then one gather of every record. While ranks are missing, say which now and then
+        (waits.WaitNotes), asking again between the lines."""
         assert self.store is not None
         notes, timeout = WaitNotes(self.settings), self.settings.timeout
         deadline = time.monotonic() + timeout
-        recs: dict[int, dict[str, Any]] = {self.rank: mine}
-        key = f"{self.job}/rank/{{}}".format
-        for r in range(self.size):
-            while r not in recs:
-                left = deadline - time.monotonic()
-                try:
-                    recs[r] = await self.store.get(key(r), timeout=max(0.0, min(left, notes.until_next())))
-                except CollectiveTimeout:
-                    if time.monotonic() >= deadline:  # the error of a plain get, as before
-                        raise CollectiveTimeout(
-                            f"rank {self.rank}: waited {timeout:.0f} s for store key {key(r)!r}; a rank never "
-                            "arrived (crashed, or started with another world size?)") from None
-                    missing = [q for q in range(self.size) if q not in recs and not await self.store.check(key(q))]
-                    if missing:
-                        notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
-                                  f"missing: {rank_list(missing)}")
-        return [recs[r] for r in range(self.size)]
+        if await self.store.add(f"{self.job}/joined", 1) == self.size:
+            await self.store.set(f"{self.job}/joined/all", 1)
+        while True:
+            left = deadline - time.monotonic()
+            recs, missing = await self.store.gather(f"{self.job}/rank", self.size, f"{self.job}/joined/all",
+                                                    timeout=max(0.0, min(left, notes.until_next())))
+            if recs is not None:
+                recs[self.rank] = mine
+                return recs
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"rank {self.rank}: waited {timeout:.0f} s for every rank's record; "
+                                        f"{rank_list(missing)} never arrived (crashed, or started with another "
+                                        "world size?)")
+            if missing:
+                notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
+                          f"missing: {rank_list(missing)}")
 
     async def _goodbye(self) -> None:
         """Closing: tell the peers still connected where this rank stopped on each communicator (so a peer still
@@ -599,17 +600,15 @@ class Fabric:
             await self.server.close()
 
     async def _closing_barrier(self, wait: float) -> None:
-        """Every rank's closing key, then (rank 0) every rank's closed key, within `wait` s; 1 s once a peer is
-        known lost, also when the loss is seen during the barrier (a peer that died as this rank began to close
-        never arrives: its survivors must not wait out the whole timeout)."""
+        """Every rank's arrival at the closing count, then (rank 0) every rank's at the closed count, within
+        `wait` s; 1 s once a peer is known lost, also when the loss is seen during the barrier (a peer that died
+        as this rank began to close never arrives: its survivors must not wait out the whole timeout)."""
         assert self.store is not None
         store = self.store
 
-        async def keys() -> None:
-            await store.set(f"{self.job}/closing/{self.rank}", 1)
-            for r in range(self.size):
-                await store.get(f"{self.job}/closing/{r}", timeout=wait)
-            await store.set(f"{self.job}/closed/{self.rank}", 1)
+        async def keys() -> None:  # counters: O(1) requests per rank
+            await store.arrive(f"{self.job}/closing", self.size, timeout=wait)
+            await store.add(f"{self.job}/closed", 1)
             if self.server is not None:
                 await self._wait_all_closed(wait)
 
@@ -633,6 +632,6 @@ class Fabric:
         assert self.server is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        keys = [f"{self.job}/closed/{r}" for r in range(self.size)]
-        while not all(k in self.server.data for k in keys) and loop.time() < deadline:
+        key = f"{self.job}/closed"
+        while self.server.data.get(key, 0) < self.size and loop.time() < deadline:
             await asyncio.sleep(0.002)

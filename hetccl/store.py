@@ -2,7 +2,9 @@
 
 Rank 0 hosts it unless an address is given. Every connection passes the HMAC handshake first; a stranger
 is refused and logged and the store goes on serving the job. Requests: set, get (waits until the key
-exists, with a deadline), add (atomic counter), check. Values are msgpack-able objects.
+exists, with a deadline), add (atomic counter), check, and gather (the values of keys prefix/0 .. prefix/n-1 in
+one answer, once a key says they are all there: the bootstrap's records in one round trip per rank). Values are
+msgpack-able objects.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StoreServer:
         self.data: dict[str, Any] = {}
         self.events: dict[str, asyncio.Event] = {}
         self.refused = 0
+        self.served = 0  # requests answered: the bootstrap makes O(1) per rank (tests, benchmarks)
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -76,6 +79,7 @@ class StoreServer:
                 return
             while True:
                 req = await read_control(loop, conn, MAX_STORE_FRAME)
+                self.served += 1
                 try:
                     reply = await self._handle(req)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not drop the connection
@@ -85,6 +89,32 @@ class StoreServer:
             return
         finally:
             conn.close()
+
+    async def _wait_for(self, key: str, timeout: float) -> bool:
+        """Until `key` exists (True), or the timeout (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(timeout, 86400.0))
+        while key not in self.data:  # a delete may race with the set that woke us: look again
+            ev = self._event(key)
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return False
+        return True
+
+    async def _gather(self, prefix: str, count: Any, after: Any, timeout: float) -> dict[str, Any]:
+        """The values of prefix/0 .. prefix/count-1 once key `after` exists (one wake-up per waiter, where
+        waiting on each key would wake every waiter at every arrival); on the timeout, which are missing."""
+        if not isinstance(count, int) or not 0 <= count <= 1 << 20 or not isinstance(after, str):
+            return {"err": "gather takes a count (0 .. 2^20) and an `after` key"}
+        keys = [f"{prefix}/{i}" for i in range(count)]
+        if not await self._wait_for(after, timeout):
+            return {"timeout": True, "missing": [i for i, k in enumerate(keys) if k not in self.data]}
+        missing = [i for i, k in enumerate(keys) if k not in self.data]
+        if missing:
+            return {"err": f"gather: {after!r} is set but {len(missing)} of the {count} keys are missing"}
+        return {"values": [self.data[k] for k in keys]}
 
     def _event(self, key: str) -> asyncio.Event:
         ev = self.events.get(key)
@@ -100,19 +130,14 @@ class StoreServer:
             self.data[key] = req.get("value")
             self._event(key).set()
             return {"ok": True}
-        if cmd == "get":
+        if cmd in ("get", "gather"):
             timeout = req.get("timeout", 0) or 0
             if not isinstance(timeout, int | float):
                 return {"err": "timeout must be a number"}
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + max(0.0, min(float(timeout), 86400.0))
-            while key not in self.data:  # a delete may race with the set that woke us: look again
-                ev = self._event(key)
-                ev.clear()
-                try:
-                    await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    return {"timeout": True}
+            if cmd == "gather":
+                return await self._gather(key, req.get("count"), req.get("after"), float(timeout))
+            if not await self._wait_for(key, float(timeout)):
+                return {"timeout": True}
             return {"value": self.data[key]}
         if cmd == "add":
             delta = req.get("value", 1)
@@ -218,6 +243,23 @@ class StoreClient:
             raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key!r}; "
                                     "a rank never arrived (crashed, or started with another world size?)")
         return reply["value"]
+
+    async def gather(self, prefix: str, count: int, after: str, timeout: float | None = None
+                     ) -> tuple[list[Any] | None, list[int]]:
+        """(the values of prefix/0 .. prefix/count-1, []) once key `after` exists; (None, the indices still
+        missing) when the timeout passes first."""
+        t = self.timeout if timeout is None else timeout
+        reply = await self._request({"cmd": "gather", "key": prefix, "count": count, "after": after, "timeout": t}, t)
+        if reply.get("timeout"):
+            return None, list(reply.get("missing", []))
+        return reply["values"], []
+
+    async def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
+        """A barrier of `count` callers in three requests each, whatever `count`: each adds 1 at `key`, the
+        count-th sets `key/all`, and every caller waits for that (CollectiveTimeout past the timeout)."""
+        if await self.add(key, 1) == count:
+            await self.set(f"{key}/all", 1)
+        await self.get(f"{key}/all", timeout)
 
     async def add(self, key: str, delta: int = 1) -> int:
         return int((await self._request({"cmd": "add", "key": key, "value": delta}))["value"])

@@ -517,3 +517,17 @@ def test_an_open_file_limit_too_low_for_the_job_is_a_config_error_on_every_rank(
     lines = [x for x in proc.stdout.splitlines() if "ConfigError:" in x]
     assert len(lines) == 8, proc.stdout + proc.stderr
     assert all("rank 0 needs about" in x and "its limit is 40" in x and "ulimit -n" in x for x in lines), lines
+
+
+# ---- the bootstrap's store traffic (issue 32, item 2) ----------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_the_bootstrap_asks_the_store_a_constant_number_of_times_per_rank() -> None:
+    """8 ranks on one host: the records in one gather, the shm set-up and the closing barrier as counters. Before,
+    each rank asked once per peer for records, twice per local peer for shm (about 30 requests a rank at 8)."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from rankrun import run_ranks
+
+    proc = run_ranks(8, "workers:store_requests", timeout=110, per_rank=12)
+    assert "store requests:" in proc.stdout, proc.stdout

@@ -166,6 +166,24 @@ async def test_many_waiters_on_one_key(server: StoreServer, clients: Callable) -
     assert await asyncio.wait_for(asyncio.gather(*tasks), 5) == ["now"] * 4
 
 
+async def test_gather_answers_every_key_once_the_after_key_is_set(server: StoreServer, clients: Callable) -> None:
+    """The bootstrap's records in one request: waits for `after`, names the missing keys on a timeout, refuses
+    an `after` set while keys are missing, and bounds its count."""
+    c = await clients(server, rank=1)
+    await c.set("job/rank/0", {"r": 0})
+    assert await c.gather("job/rank", 3, "job/all", timeout=0.2) == (None, [1, 2])
+    waiter = asyncio.ensure_future(c.gather("job/rank", 3, "job/all", timeout=10))
+    other = await clients(server, rank=2)
+    await other.set("job/rank/1", {"r": 1})
+    await other.set("job/rank/2", [2])
+    await other.set("job/all", 1)
+    assert await asyncio.wait_for(waiter, 5) == ([{"r": 0}, {"r": 1}, [2]], [])
+    with pytest.raises(HetcclError, match="missing"):
+        await c.gather("job/rank", 4, "job/all", timeout=1)
+    with pytest.raises(HetcclError, match="count"):
+        await c.gather("job/rank", -1, "job/all", timeout=1)
+
+
 async def test_get_short_timeout_raises_collective_timeout(server: StoreServer, clients: Callable) -> None:
     c = await clients(server, rank=3)
     t0 = time.monotonic()

@@ -761,3 +761,13 @@ async def compressed(comm: hetccl.Communicator, counts: list[int]) -> None:
 def expected_like(ins: list[np.ndarray], op: str) -> np.ndarray:
     x = np.array([a.astype(np.int64) for a in ins])
     return (x.sum(0) if op == "sum" else x.max(0)).astype(ins[0].dtype)
+
+
+async def store_requests(comm: hetccl.Communicator, per_rank: int) -> None:
+    """After init, rank 0's store has answered at most per_rank requests per rank (the bootstrap is O(1) round
+    trips a rank: one record gather, not one get per peer)."""
+    await comm.barrier()
+    if comm.rank == 0:
+        served = comm._fabric.server.served
+        assert served <= per_rank * comm.size, f"the store served {served} requests for {comm.size} ranks"
+        print(f"store requests: {served} for {comm.size} ranks", flush=True)

@@ -284,17 +284,15 @@ class ShmTransport(Transport):
         for i, p in enumerate(order):
             self.in_rings[p] = _Ring(self.seg.mem, self.seg.cbase, SEG_HEADER + i * ring_size, self.slots,
                                      self.slot_bytes, p)
-        store, key = ctx.store, f"{ctx.job}/shm"
-        await store.set(f"{key}/created/{ctx.rank}", 1)
+        # the host's ranks meet twice on the store (segments made, then mapped), in O(1) requests each
+        store, key = ctx.store, f"{ctx.job}/shm/{min(order[0], ctx.rank)}"
+        await store.arrive(f"{key}/created", len(order) + 1)
         for p in order:
-            await store.get(f"{key}/created/{p}")
             # my outbound ring to p lives in p's segment, at my index among p's peers
             their_peers = sorted(set(local) - {p})
             seg = Segment(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size, create=False)
             self.peer_segs[p], self.peer_mem[p], self.peer_cbase[p] = seg, seg.mem, seg.cbase
-        await store.set(f"{key}/mapped/{ctx.rank}", 1)
-        for p in order:
-            await store.get(f"{key}/mapped/{p}")
+        await store.arrive(f"{key}/mapped", len(order) + 1)
         Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
         bells = await asyncio.gather(*(self._doorbell(p, peers[p]) for p in order))
         for p, bell in zip(order, bells, strict=True):
