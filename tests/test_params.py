@@ -271,7 +271,8 @@ def test_an_unknown_variable_is_named_once_with_the_closest_setting(monkeypatch,
 
     with caplog.at_level(logging.WARNING, logger="hetccl"):
         asyncio.run(twice())
-    said = [r.getMessage() for r in caplog.records if "is not a hetccl setting" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "is not a hetccl setting" in r.getMessage()
+            and ("HETCCL_TIMEOUTT" in r.getMessage() or "HETCCL_ZZZQQQ" in r.getMessage())]  # CI sets others
     assert len(said) == 2, said
     assert "HETCCL_TIMEOUTT" in said[0] and "did you mean HETCCL_TIMEOUT?" in said[0], said
     assert "HETCCL_ZZZQQQ" in said[1] and "did you mean" not in said[1], said

@@ -1,0 +1,100 @@
+"""Init at scale (issue 32): ranks as hosts of --per-host ranks each on this one machine, side by side with
+another checkout (--repo) in one run, the two interleaved size by size.
+
+    python benchmarks/init_scale.py [--ranks 8,16,32] [--per-host 8] [--reps 2] [--repo OTHER_CHECKOUT]
+
+Per job: every rank's time from its launch to the end of `hetccl.init()` (the slowest rank's), the first
+all_reduce (4 KiB, the slowest rank's), open files and peak RSS per rank (the largest), and the requests rank
+0's store served by then (a checkout without the count says "-"). The ranks oversubscribe the cores, as the
+issue's figures did, so the times are the machine's, not a cluster's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from rankproc import free_port  # noqa: E402
+
+RANK = r"""
+import os, resource, sys, time
+launched = float(os.environ["BENCH_LAUNCHED"])
+import numpy as np
+import hetccl
+comm = hetccl.init_sync()
+init_s = time.time() - launched
+t = time.perf_counter()
+comm.all_reduce(np.ones(1024, np.float32))
+first_s = time.perf_counter() - t
+served = getattr(comm.async_comm._fabric.server, "served", None) if comm.rank == 0 else None
+row = np.array([init_s, first_s, len(os.listdir("/proc/self/fd")),
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], np.float64)
+comm.all_reduce(row, op="max")
+if comm.rank == 0:
+    print("ROW", init_s, *row.tolist(), -1 if served is None else served, flush=True)
+comm.close()
+"""
+
+
+def run_job(n: int, per_host: int, repo: str | None) -> dict:
+    root = repo or str(HERE.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    port = free_port()
+    hosts = ",".join(f"h{r // per_host}" for r in range(n))
+    launched = time.time()
+    procs = []
+    for r in range(n):
+        e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_LOCAL_RANK=str(r),
+                 HETCCL_ADDR=f"127.0.0.1:{port}", HETCCL_SECRET="init-scale-bench", HETCCL_HOST=hosts,
+                 HETCCL_TIMEOUT="300", BENCH_LAUNCHED=repr(launched))
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=e, cwd=root, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    row = None
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise SystemExit(f"rank {r} of {n} ({root}) exited {p.returncode}:\n{err[-3000:]}")
+        for line in out.splitlines():
+            if line.startswith("ROW "):
+                _, _, init_s, first_s, fds, rss, served = line.split()
+                row = {"init": float(init_s), "first": float(first_s), "fds": float(fds), "rss": float(rss),
+                       "served": int(float(served))}
+    assert row is not None
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="8,16,32")
+    ap.add_argument("--per-host", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
+    a = ap.parse_args()
+    variants = [("this", None)] + ([("before", a.repo)] if a.repo else [])
+    print(f"# init at scale, hosts of {a.per_host} ranks; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; "
+          f"{' '.join(sys.argv)}")
+    print("| ranks | variant | init s | first all_reduce ms | open files per rank | peak RSS MB | store requests |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (int(x) for x in a.ranks.split(",")):
+        got: dict[str, list[dict]] = {v: [] for v, _ in variants}
+        for _ in range(a.reps):
+            for v, repo in variants:  # interleaved
+                got[v].append(run_job(n, a.per_host, repo))
+        for v, _ in variants:
+            rows = got[v]
+            med = {k: statistics.median(r[k] for r in rows) for k in ("init", "first", "fds", "rss")}
+            served = rows[0]["served"]
+            print(f"| {n} | {v} | {med['init']:.2f} | {med['first'] * 1e3:.1f} | {med['fds']:.0f} | "
+                  f"{med['rss']:.0f} | {served if served >= 0 else '-'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
