@@ -319,11 +319,10 @@ class Fabric:
         assert self.store is not None
         notes, timeout = WaitNotes(self.settings), self.settings.timeout
         deadline = time.monotonic() + timeout
-        if await self.store.add(f"{self.job}/joined", 1) == self.size:
-            await self.store.set(f"{self.job}/joined/all", 1)
+        joined = await self.store.count_in(f"{self.job}/joined", self.size)
         while True:
             left = deadline - time.monotonic()
-            recs, missing = await self.store.gather(f"{self.job}/rank", self.size, f"{self.job}/joined/all",
+            recs, missing = await self.store.gather(f"{self.job}/rank", self.size, joined,
                                                     timeout=max(0.0, min(left, notes.until_next())))
             if recs is not None:
                 recs[self.rank] = mine

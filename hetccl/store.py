@@ -254,12 +254,16 @@ class StoreClient:
             return None, list(reply.get("missing", []))
         return reply["values"], []
 
-    async def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
-        """A barrier of `count` callers in three requests each, whatever `count`: each adds 1 at `key`, the
-        count-th sets `key/all`, and every caller waits for that (CollectiveTimeout past the timeout)."""
+    async def count_in(self, key: str, count: int) -> str:
+        """Add 1 at `key`; the count-th caller sets `key/all`. Returns that key, which the callers wait for."""
         if await self.add(key, 1) == count:
             await self.set(f"{key}/all", 1)
-        await self.get(f"{key}/all", timeout)
+        return f"{key}/all"
+
+    async def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
+        """A barrier of `count` callers in three requests each, whatever `count` (count_in, then a wait for
+        `key/all`; CollectiveTimeout past the timeout)."""
+        await self.get(await self.count_in(key, count), timeout)
 
     async def add(self, key: str, delta: int = 1) -> int:
         return int((await self._request({"cmd": "add", "key": key, "value": delta}))["value"])
