@@ -108,13 +108,14 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
         link = "two islands on one host (CPU: no GPU link, shared memory)"
     return {anchor[0]: anchor[1:],
             "hetccl hosts": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts},
-                             f"islands {islands}, HETCCL_HOST={hosts}: each rank its own host"),
-            "hetccl link": ("hetccl", {"TEST_ISLANDS": islands}, f"islands {islands}, {link}"),
-            "hetccl hosts ordered": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
-                                                "HETCCL_TORCH_STREAM_ORDER": "1"},
-                                     "hetccl hosts, collectives ordered on the caller's stream"),
-            "hetccl link ordered": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_STREAM_ORDER": "1"},
-                                    "hetccl link, collectives ordered on the caller's stream")}
+                             f"islands {islands}, HETCCL_HOST={hosts}: each rank its own host (the default: "
+                             "collectives ordered on the caller's stream)"),
+            "hetccl link": ("hetccl", {"TEST_ISLANDS": islands}, f"islands {islands}, {link} (ordered, the default)"),
+            "hetccl hosts held": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                             "HETCCL_TORCH_STREAM_ORDER": "0"},
+                                  "hetccl hosts, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
+            "hetccl link held": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_STREAM_ORDER": "0"},
+                                 "hetccl link, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits")}
 
 
 # ------------------------------------------------------------------------------------------------ worker

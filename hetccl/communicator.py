@@ -274,7 +274,8 @@ class Communicator(Group):
         """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
         the methods take them) whose device side the calling thread enqueues on `stream` now; returns the
         coroutine of its host side, to run on hetccl's loop (the stream waits for it: gpu/streamorder.py), or
-        None where the loop must do it all (one island, islands of several ranks, layout not built yet)."""
+        None where the loop must do it all (one island, host memory, layouts that hierarchical.enqueue_ordered
+        leaves to the loop). Run `ordered_setup`'s coroutine first."""
         if name not in _ORDERED_ARGS:
             return None
         tensors = args[:2] if name in ("all_gather", "reduce_scatter") else args[:1]
@@ -285,6 +286,11 @@ class Communicator(Group):
         for b in bufs:
             check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
         return hierarchical.enqueue_ordered(self, name, _ORDERED_ARGS[name](bufs, root, op), stream)
+
+    def ordered_setup(self, device: int) -> Any:
+        """The coroutine to run on the loop, with no ordered collective in flight, before the first ordered
+        collective of `device` memory (hierarchical.ordered_setup: the island's vendor communicator), or None."""
+        return None if self._islands == 1 else hierarchical.ordered_setup(self, device)
 
     # ---- point to point ------------------------------------------------------------------------------
     async def send(self, buf: Any, peer: int, tag: int = 0) -> None:

@@ -134,6 +134,11 @@ class Group:
 
     # ---- what the scheduler and the hang report read (scheduler.GroupView) -------------------------------
     @property
+    def island_count(self) -> int:
+        """How many islands this group spans (ranks of one label share a vendor CCL)."""
+        return self._islands
+
+    @property
     def fabric(self) -> Fabric:
         return self._fabric
 
@@ -494,6 +499,11 @@ class Group:
                                                    f"{self._fabric.job}/vendor/{self.comm_id}", self._fabric,
                                                    self._settings.timeout)
         return self._vendors
+
+    def vendor_comm(self, device: int) -> VendorComm | None:
+        """This group's vendor communicator on `device` if it is made (never makes one: any thread may ask)."""
+        vendors = self._vendors
+        return vendors.comms.get(device) if vendors is not None else None
 
     async def _vendor_run(self, name: str, bufs: list[DeviceBuf], root: int = -1, op: ReduceOp = ReduceOp.SUM
                           ) -> None:

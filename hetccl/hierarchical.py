@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 from . import compress, native
 from .dtypes import Buf, ReduceOp, as_buf
 from .errors import ConfigError, HetcclError
-from .gpu import pairlink, ringlink, staging, streamorder
+from .gpu import dispatch, pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
 from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
@@ -125,20 +126,7 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
         if len(members) > 1:
             await lay.island_comm.flat_reduce(b, 0, inner)
         if lay.leaders is not None and lay.leaders.size > 1:
-            # the same chunks as a GPU leader's staging, so every leader issues the same collectives
-            isz = b.dtype.itemsize
-            wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
-            if wire:  # CPU leaders only (compress.check_islands): never a stage
-                await compress.all_reduce(lay.leaders, b, inner, wire, _chunks(b.count, isz))
-            for i, (lo, hi) in enumerate([] if wire else _chunks(b.count, isz)):
-                part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
-                if stage is not None:
-                    await stage.arrived(i, _deadline(group), "cross-island all_reduce")
-                await lay.leaders.flat_all_reduce(part, inner)
-                if stage is not None:
-                    if rop == ReduceOp.AVG:
-                        native.divide(part.data, b.dtype, group.size)
-                    stage.done(i)
+            await _leaders_all_reduce_host(group, lay, b, rop, stage)
         if len(members) > 1:
             await lay.island_comm.flat_broadcast(b, 0)
         if rop == ReduceOp.AVG and stage is None:
@@ -177,6 +165,26 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
         ev = torch.cuda.Event()
         ev.record(stream)
         await wait_event(ev, _deadline(group), "avg division")
+
+
+async def _leaders_all_reduce_host(group: Group, lay: Layout, b: Buf, rop: ReduceOp, stage: Any = None) -> None:
+    """The leaders' step of all_reduce on host memory, chunk by chunk: the same chunks as a GPU leader's staging,
+    so every leader issues the same collectives. `stage`: b is a stream's pinned copy (streamorder.Stage), each
+    chunk waits for its arrival and is let go once reduced (and divided, for AVG)."""
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    isz = b.dtype.itemsize
+    wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
+    if wire:  # CPU leaders only (compress.check_islands): never a stage
+        await compress.all_reduce(lay.leaders, b, inner, wire, _chunks(b.count, isz))
+    for i, (lo, hi) in enumerate([] if wire else _chunks(b.count, isz)):
+        part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
+        if stage is not None:
+            await stage.arrived(i, _deadline(group), "cross-island all_reduce")
+        await lay.leaders.flat_all_reduce(part, inner)
+        if stage is not None:
+            if rop == ReduceOp.AVG:
+                native.divide(part.data, b.dtype, group.size)
+            stage.done(i)
 
 
 async def _zero_copy_link(group: Group, lay: Layout, t: Any) -> Any:
@@ -441,13 +449,28 @@ SCHEDULES: dict[str, Callable[..., Awaitable[None]]] = {
 
 
 # ---- ordered on the caller's stream (gpu/streamorder.py) ---------------------------------------------------------
-# Islands of one rank each: the device side (copies to and from pinned memory, words) is enqueued here, on the
-# caller's thread, and the host side is the host schedule above on the pinned copy. Its sub-collectives are a CPU
-# island's, not those of a GPU leader through the loop (the link, the device ring): every GPU rank must take this
-# path for the same calls, which the agreed HETCCL_TORCH_STREAM_ORDER and the conditions below (the same on every
-# rank, or an error) ensure.
+# The device side (the island steps in the vendor CCL, the leader's copies to and from pinned memory, the words) is
+# enqueued here, on the caller's thread, and the host side is the leaders' step of the host schedule above on the
+# pinned copy. That step is a CPU leader's, not that of a GPU leader through the loop (the link, the device ring):
+# every GPU rank must take this path for the same calls, which the torch backend's agreement at init and the
+# conditions below (the same on every rank, or an error) ensure.
 
-Planned = tuple[Any, Callable[[], Awaitable[None]]]  # (the streamorder.Stage, its host side's body)
+# (the pinned copy's Stage, or None off leaders; the leaders' step, or None; the collective's fingerprint)
+Planned = tuple[Any, Callable[[], Awaitable[None]] | None, tuple]
+
+
+def ordered_setup(group: Group, device: int) -> Coroutine[Any, Any, Any] | None:
+    """What must run on the loop, with nothing ordered in flight, before this rank's collectives of `device`
+    memory can be ordered: the making of its island's vendor communicator (a collective of the island, at the
+    same call on every member), or None."""
+    lay = group.island_layout
+    if lay is None or lay.single or len(lay.my_members) == 1 or lay.island_comm.vendor_comm(device) is not None:
+        return None
+    isl = lay.island_comm
+
+    async def make() -> None:  # on the loop, which alone makes the group's vendor communicators
+        await isl.island_vendors().get(device)
+    return make()
 
 
 def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
@@ -455,26 +478,29 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
     """From the caller's thread: enqueue the device side of collective `name` (a SCHEDULES entry, checked
     arguments as they take them) on `stream`, and return the coroutine of its host side for hetccl's loop
     (the stream waits for it), with what lets the stream go if that coroutine is never run. None where this
-    layout or device cannot (then the loop does it all)."""
+    layout or device cannot (then the loop does it all: decided from the layout and the call alone, so on
+    every rank alike)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
-    if plan is None or lay is None or lay.leaders is None or any(len(m) > 1 for m in lay.islands):
+    if plan is None or lay is None or lay.single:
         return None
     bufs = [a for a in args if isinstance(a, DeviceBuf)]
     if not bufs or any(b.framework != "torch" or b.count == 0 for b in bufs):
         return None
     words = streamorder.words_for(bufs[0].device)
     if words is None:  # not a silent fallback: the other ranks would run the ordered schedule
-        raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1 needs GPU stream memory operations on every rank, and "
-                          f"rank {group.rank} has none ({streamorder.unavailable_reason(bufs[0].device)}); unset "
-                          "HETCCL_TORCH_STREAM_ORDER on every rank")
-    if name in _LINK_PLANS and _pair_link_applies(group, lay):
+        raise ConfigError(f"the stream order across islands needs GPU stream memory operations on every rank, and "
+                          f"rank {group.rank} has none on its device "
+                          f"({streamorder.unavailable_reason(bufs[0].device)}); set HETCCL_TORCH_STREAM_ORDER=0 on "
+                          "every rank")
+    if name in _LINK_PLANS and lay.leaders is group and _pair_link_applies(group, lay):
         if lay.link is None:
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
-        if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None and _rank_ordered(lay):
+        if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None:
             return _link_ordered(group, name, lay.link, words, stream, args)
-    stage, body = plan(group, words, stream, *args)
-    return _host_side(group, name, stage, body), lambda: stage.finish(False)
+    island = _Island(group, lay, bufs[0].device, stream)
+    stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
+    return _host_side(group, name, stage, body, fingerprint), lambda: stage is not None and stage.finish(False)
 
 
 def _pair_link_applies(group: Group, lay: Layout) -> bool:
@@ -543,8 +569,39 @@ _LINK_PLANS: dict[str, Callable[..., tuple[Any, str, tuple]]] = {
 }
 
 
-def _raw(b: DeviceBuf) -> Any:
-    return as_tensor(b).view(torch_mod().uint8)
+class _Island:
+    """This rank's island step on the caller's stream: its vendor CCL's collectives enqueued from the caller's
+    thread (none for an island of one rank), and scratch for that stream."""
+
+    def __init__(self, group: Group, lay: Layout, device: int, stream: Any):
+        self.comm = lay.island_comm if len(lay.my_members) > 1 else None  # (a split of one rank does nothing)
+        self.stream = stream
+        self.leader = group.rank == lay.my_members[0]
+        self.index = lay.my_members.index(group.rank)
+        self.vc = None
+        if self.comm is not None:
+            self.vc = self.comm.vendor_comm(device)
+            if self.vc is None:
+                raise HetcclError("an ordered collective of an island of several ranks needs the island's vendor "
+                                  "communicator (hierarchical.ordered_setup makes it first)")
+
+    def run(self, name: str, t: Any, root: int = 0, op: ReduceOp = ReduceOp.SUM, inp: Any = None) -> None:
+        bufs = [as_device_buf(t)] + ([as_device_buf(inp)] if inp is not None else [])
+        _, call, what = dispatch.vendor_call(name, bufs, root, op)
+        deadline = time.monotonic() + self.comm.settings.timeout  # the vendor watchdog's clock
+        self.vc.run_now(lambda s: call(self.vc, s), self.stream.cuda_stream, deadline, f"island {what}")
+
+    def empty_like(self, t: Any, count: int | None = None) -> Any:
+        torch = torch_mod()
+        with torch.cuda.stream(self.stream):
+            return torch.empty(t.numel() if count is None else count, dtype=t.dtype, device=t.device)
+
+    def local(self) -> Any:
+        return torch_mod().cuda.stream(self.stream)
+
+
+def _raw(b: Any) -> Any:
+    return (as_tensor(b) if isinstance(b, DeviceBuf) else b).view(torch_mod().uint8)
 
 
 def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
@@ -552,74 +609,168 @@ def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
     return Buf(stage.host[at:at + count * isz], b.dtype, count)
 
 
-async def _host_side(group: Group, name: str, stage: Any, body: Callable[[], Awaitable[None]]) -> None:
-    """On the loop, in issue order with the communicator's other collectives across islands."""
+async def _host_side(group: Group, name: str, stage: Any, body: Callable[[], Awaitable[None]] | None,
+                     fingerprint: tuple) -> None:
+    """On the loop, in issue order with the communicator's other collectives across islands: every rank takes
+    the collective's number, and a leader runs the leaders' step on its pinned copy."""
     ok = False
     try:
         async with group.issue_order.turn(name, _deadline(group)):
-            await body()
+            group.next_fingerprint(*fingerprint)
+            if body is not None:
+                await body()
         ok = True
     finally:
-        stage.finish(ok)
+        if stage is not None:
+            stage.finish(ok)
 
 
-def _plan_all_reduce(group: Group, words: Any, stream: Any, b: DeviceBuf, rop: ReduceOp) -> Planned:
-    stage = streamorder.Stage(words, stream, b.nbytes)
-    pieces = _chunks(b.count, b.dtype.itemsize)
-    stage.to_host(_raw(b), 0, pieces)
-    stage.from_host(_raw(b), 0, pieces)
-    stage.seal()
-    host = _host(stage, b, 0, b.count)
-    return stage, lambda: all_reduce(group, host, rop, stage)
+def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, b: DeviceBuf,
+                     rop: ReduceOp) -> Planned:
+    """Reduce to the island's leader, the leaders' chunked host all_reduce (AVG divided there), broadcast."""
+    t = as_tensor(b)
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    if isl.comm is not None:
+        isl.run("reduce", t, 0, inner)
+    stage = body = None
+    if isl.leader:
+        stage = streamorder.Stage(words, stream, b.nbytes)
+        pieces = _chunks(b.count, b.dtype.itemsize)
+        stage.to_host(_raw(b), 0, pieces)
+        stage.from_host(_raw(b), 0, pieces)
+        stage.seal()
+        host = _host(stage, b, 0, b.count)
+        body = lambda: _leaders_all_reduce_host(group, lay, host, rop, stage)  # noqa: E731
+    if isl.comm is not None:
+        isl.run("broadcast", t, 0)
+    return stage, body, (CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
 
 
-def _plan_all_gather(group: Group, words: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf) -> Planned:
-    k, nb = inp.count, inp.nbytes
-    stage = streamorder.Stage(words, stream, out.nbytes)
-    stage.to_host(_raw(inp), group.rank * nb, [(0, nb)])
-    stage.from_host(_raw(out), 0, [(0, out.nbytes)])
-    stage.seal()
-    every, mine = _host(stage, out, 0, out.count), _host(stage, inp, group.rank * nb, k)
-
-    async def body() -> None:
-        await stage.arrived(0, _deadline(group), "cross-island all_gather")
-        await all_gather(group, every, mine)
-        stage.done(0)
-    return stage, body
-
-
-def _plan_reduce_scatter(group: Group, words: Any, stream: Any, out: DeviceBuf, inp: DeviceBuf,
-                         rop: ReduceOp) -> Planned:
-    stage = streamorder.Stage(words, stream, inp.nbytes + out.nbytes)
-    stage.to_host(_raw(inp), 0, [(0, inp.nbytes)])
-    stage.from_host(_raw(out), inp.nbytes, [(0, out.nbytes)])
-    stage.seal()
-    src, dst = _host(stage, inp, 0, inp.count), _host(stage, out, inp.nbytes, out.count)
-
-    async def body() -> None:
-        await stage.arrived(0, _deadline(group), "cross-island reduce_scatter")
-        await reduce_scatter(group, dst, src, rop)
-        stage.done(0)
-    return stage, body
-
-
-def _plan_broadcast(group: Group, words: Any, stream: Any, b: DeviceBuf, root: int) -> Planned:
-    stage = streamorder.Stage(words, stream, b.nbytes)
-    whole = [(0, b.nbytes)]
-    if group.rank == root:
-        stage.to_host(_raw(b), 0, whole)
+def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, out: DeviceBuf,
+                     inp: DeviceBuf) -> Planned:
+    """Gather into the island's blocks, the leaders' host all_gather of those, broadcast in the island: in the
+    caller's output where island-major order is rank order, else in blocks padded to the largest island,
+    reordered at the end (the loop's all_gather, step for step)."""
+    t, k, isz = as_tensor(inp), inp.count, out.dtype.itemsize
+    members = lay.my_members
+    width = max(len(m) for m in lay.islands)
+    if _rank_ordered(lay):
+        every, lo = as_tensor(out), members[0] * k
     else:
-        stage.from_host(_raw(b), 0, whole)
-    stage.seal()
-    host = _host(stage, b, 0, b.count)
+        every, lo = isl.empty_like(t, len(lay.islands) * width * k), lay.mine * width * k
+    mine = every[lo:lo + len(members) * k]
+    if isl.comm is not None:
+        isl.run("all_gather", mine, inp=t)
+    elif mine.data_ptr() != t.data_ptr():
+        with isl.local():
+            mine.copy_(t)
+    stage = body = None
+    if isl.leader:
+        stage = streamorder.Stage(words, stream, every.numel() * isz)
+        stage.to_host(_raw(mine), lo * isz, [(0, mine.numel() * isz)])
+        stage.from_host(_raw(every), 0, [(0, every.numel() * isz)])
+        stage.seal()
+        whole = Buf(stage.host[:every.numel() * isz], out.dtype, every.numel())
+        block = every.numel() // len(lay.islands)
+        own = _sl(whole, lay.mine * block, (lay.mine + 1) * block)
 
-    async def body() -> None:
-        if group.rank == root:
-            await stage.arrived(0, _deadline(group), "cross-island broadcast")
-        await broadcast(group, host, root)
-        if group.rank != root:
+        async def body() -> None:
+            await stage.arrived(0, _deadline(group), "cross-island all_gather")
+            await _leaders_all_gather(group, lay, _View(whole), whole, own)
             stage.done(0)
-    return stage, body
+    if isl.comm is not None:
+        isl.run("broadcast", every, 0)
+    if every.data_ptr() != as_tensor(out).data_ptr():
+        dst = as_tensor(out)
+        with isl.local():
+            for i, island in enumerate(lay.islands):  # back to group rank order
+                for j, r in enumerate(island):
+                    a = (i * width + j) * k
+                    dst[r * k:(r + 1) * k].copy_(every[a:a + k])
+    return stage, body, (CollOp.ALL_GATHER, None, k)
+
+
+def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, out: DeviceBuf,
+                         inp: DeviceBuf, rop: ReduceOp) -> Planned:
+    """Reduce the input to the island's leader (into scratch: the input is only read), the leaders' host
+    reduce_scatter into the island's region, broadcast of the region, each rank's block; where island-major
+    order is not rank order, on a copy of the input reordered into padded island blocks (the loop's
+    reduce_scatter, step for step)."""
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    dst, acc = as_tensor(out), as_tensor(inp)
+    k, isz = out.count, out.dtype.itemsize
+    scratch = not _rank_ordered(lay)
+    width = max(len(m) for m in lay.islands) if scratch else len(lay.my_members)
+    blk = width * k
+    if scratch:
+        src, acc = acc, isl.empty_like(acc, len(lay.islands) * blk)
+        with isl.local():
+            for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
+                for j, r in enumerate(island):
+                    a = (i * width + j) * k
+                    acc[a:a + k].copy_(src[r * k:(r + 1) * k])
+    elif isl.comm is not None and isl.leader:  # the leader's buffer receives the island's sum: not the input
+        src, acc = acc, isl.empty_like(acc)
+        with isl.local():
+            acc.copy_(src)
+    if isl.comm is not None:
+        isl.run("reduce", acc, 0, inner)
+    region = dst if blk == k else isl.empty_like(dst, blk)
+    stage = body = None
+    if isl.leader:
+        nb = acc.numel() * isz
+        stage = streamorder.Stage(words, stream, nb + blk * isz)
+        stage.to_host(_raw(acc), 0, [(0, nb)])
+        stage.from_host(_raw(region), nb, [(0, blk * isz)])
+        stage.seal()
+        whole = Buf(stage.host[:nb], out.dtype, acc.numel())
+        mine = Buf(stage.host[nb:nb + blk * isz], out.dtype, blk)
+
+        async def body() -> None:
+            await stage.arrived(0, _deadline(group), "cross-island reduce_scatter")
+            await _leaders_reduce_scatter(group, lay, _View(whole), mine, whole, inner)
+            stage.done(0)
+    if region is not dst:
+        if isl.comm is not None:
+            isl.run("broadcast", region, 0)
+        with isl.local():
+            dst.copy_(region[isl.index * k:(isl.index + 1) * k])
+    if rop == ReduceOp.AVG:
+        with isl.local():
+            divide_inplace(dst, group.size)
+    return stage, body, (CollOp.REDUCE_SCATTER, None, k, -1, rop)
+
+
+def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, b: DeviceBuf,
+                    root: int) -> Planned:
+    """Root's island first where root does not lead it, the leaders' host broadcast, then every other island
+    (and root's, from its leader) from its leader."""
+    t = as_tensor(b)
+    root_island = next(i for i, m in enumerate(lay.islands) if root in m)
+    mine = lay.mine == root_island
+    root_leads = lay.islands[root_island][0] == root
+    if isl.comm is not None and mine and not root_leads:
+        isl.run("broadcast", t, lay.my_members.index(root))
+    stage = body = None
+    if isl.leader:
+        stage = streamorder.Stage(words, stream, b.nbytes)
+        whole = [(0, b.nbytes)]
+        if mine:
+            stage.to_host(_raw(b), 0, whole)
+        else:
+            stage.from_host(_raw(b), 0, whole)
+        stage.seal()
+        host = _host(stage, b, 0, b.count)
+
+        async def body() -> None:
+            if mine:
+                await stage.arrived(0, _deadline(group), "cross-island broadcast")
+            await lay.leaders.flat_broadcast(host, root_island)
+            if not mine:
+                stage.done(0)
+    if isl.comm is not None and not (mine and not root_leads):
+        isl.run("broadcast", t, 0)
+    return stage, body, (CollOp.BROADCAST, None, b.count, root)
 
 
 _PLANS: dict[str, Callable[..., Planned]] = {

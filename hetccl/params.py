@@ -209,6 +209,16 @@ def _host_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _stream_order(text: str) -> bool | None:
+    """HETCCL_TORCH_STREAM_ORDER: auto -> None (decided at init), else an on/off switch."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return None
+    if t in _TRUE or t in _FALSE:
+        return t in _TRUE
+    raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER={text!r}: use auto (the default), 1 (required) or 0 (never)")
+
+
 def _lower(text: str) -> str:
     return text.strip().lower()
 
@@ -338,11 +348,12 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "(deadline, NCCL async error, lost peers)", "hetccl.gpu.vendor_comm", lo=0, lo_open=True),
     _P("HETCCL_TORCH_CUDA", "choice", "direct", "`staged`: the torch backend copies CUDA tensors through host "
        "memory instead of hetccl's device path", "hetccl.torch.backend", choices=("direct", "staged")),
-    _P("HETCCL_TORCH_STREAM_ORDER", "bool", False, "`1` (opt-in): a torch all_reduce, broadcast, all_gather or "
-       "reduce_scatter of CUDA tensors across islands of one rank each is ordered on the caller's stream and returns "
-       "at once, instead of holding the caller's thread in wait() until it ends (set it on every rank; it needs "
-       "`CUDA_MODULE_LOADING=EAGER`, which `import hetccl.torch` sets before CUDA starts)",
-       "hetccl.torch.backend", agree=True),
+    _P("HETCCL_TORCH_STREAM_ORDER", "choice", None, "a torch all_reduce, broadcast, all_gather or reduce_scatter "
+       "of CUDA tensors across islands of one rank each is ordered on the caller's stream and returns at once, as "
+       "inside one island; `auto`: wherever every rank can (CUDA's eager module loading, which `import hetccl.torch` "
+       "chooses before CUDA starts, and GPU stream memory operations), agreed at init, else the caller's thread "
+       "waits for the collective's end; `1`: required (a `ConfigError` at init where a rank cannot); `0`: never",
+       "hetccl.torch.backend", choices=("auto", "1", "0"), parse=_stream_order, shown="auto", agree=True),
     _P("HETCCL_TORCH_ALIAS", "list", [], "torch backend names (`nccl`, `gloo`) that mean hetccl; set by `hetccl "
        "run --torch-backend-alias`", "hetccl.torch.alias.sitecustomize", parse=lambda t: [
            a.strip().lower() for a in t.split(",") if a.strip()]),

@@ -103,9 +103,9 @@ PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK":
 def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
     and mismatches seen with both GPUs visible), on each cross-island path (with one GPU both islands share it,
-    rank i on GPU i % count, as the three- and four-island tests do); "stream": HETCCL_TORCH_STREAM_ORDER=1
-    (ordered collectives mixed with the ops the loop does on the device)."""
-    env = {**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_STREAM_ORDER": "1" if order == "stream" else "0"}
+    rank i on GPU i % count, as the three- and four-island tests do); "stream": the default stream order (ordered
+    collectives mixed with the ops the loop does on the device), "held": HETCCL_TORCH_STREAM_ORDER=0."""
+    env = {**TWO_ISLANDS, **PATHS[path], **({"HETCCL_TORCH_STREAM_ORDER": "0"} if order == "held" else {})}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)
     run_torchrun(2, "inflight", env=env, timeout=280)
@@ -157,10 +157,11 @@ def test_two_islands_fsdp2_matches_nccl(tmp_path, path):
 def test_two_islands_fsdp2_recipe_matches_nccl(tmp_path, path, reduce_dtype):
     """FSDP2 across two islands as recipes run it (bf16 parameters, fp32 or bf16 reduction, reshard_after_forward
     true and false, gradient accumulation, the distributed checkpoint's full and sharded state dicts) gives NCCL's
-    losses and state; with one GPU, NCCL runs the two ranks as two hosts (NCCL_HOSTID per rank). "-stream":
-    HETCCL_TORCH_STREAM_ORDER=1 (over the link, the pair link's collectives enqueued on the caller's stream)."""
+    losses and state; with one GPU, NCCL runs the two ranks as two hosts (NCCL_HOSTID per rank). "-stream": the
+    default stream order (over the link, the pair link's collectives enqueued on the caller's stream); the others
+    HETCCL_TORCH_STREAM_ORDER=0."""
     base, _, order = path.partition("-")
-    mine = {**TWO_ISLANDS, **PATHS[base], **({"HETCCL_TORCH_STREAM_ORDER": "1"} if order == "stream" else {})}
+    mine = {**TWO_ISLANDS, **PATHS[base], **({} if order == "stream" else {"HETCCL_TORCH_STREAM_ORDER": "0"})}
     res = {}
     for backend, env in (("nccl", {**CUDA_ENV, "TEST_NCCL_HOSTS": "1"}), ("hetccl", mine)):
         out = tmp_path / backend
@@ -179,18 +180,47 @@ def test_two_islands_fsdp2_recipe_matches_nccl(tmp_path, path, reduce_dtype):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_two_islands_collectives_do_not_hold_the_thread(path):
     """A blocking cross-island collective of CUDA tensors behind ~50 ms of queued compute returns well before
-    that compute ends (stream-ordered, gpu/streamorder.py), with the right results in stream order."""
-    run_torchrun(2, "held", env={**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_STREAM_ORDER": "1"}, timeout=280)
+    that compute ends (stream-ordered by default, gpu/streamorder.py), with the right results in stream order."""
+    run_torchrun(2, "held", env={**TWO_ISLANDS, **PATHS[path]}, timeout=280)
 
 
 @needs_1
 @pytest.mark.timeout(300)
-def test_stream_order_refuses_lazy_module_loading():
-    """The user's own CUDA_MODULE_LOADING=LAZY with the stream order: a ConfigError on every rank at init,
-    not the deadlock of a first kernel launch behind an ordered collective."""
-    env = {**TWO_ISLANDS, "HETCCL_TORCH_STREAM_ORDER": "1", "CUDA_MODULE_LOADING": "LAZY"}
-    proc = run_torchrun(2, "lazy_loading_refused", env=env, timeout=200)
+@pytest.mark.parametrize("lazy_ranks", ["0", "1", "0,1"])
+def test_stream_order_under_lazy_module_loading(lazy_ranks):
+    """CUDA_MODULE_LOADING=LAZY set by the user on some ranks, which the stream order cannot work under (a first
+    kernel launch behind an ordered collective would deadlock): by default the whole group holds the thread
+    instead and its collectives are right, and the lazy rank says why; HETCCL_TORCH_STREAM_ORDER=1 is a
+    ConfigError on every rank that names the lazy rank."""
+    env = {**TWO_ISLANDS, "TEST_LAZY_RANKS": lazy_ranks}
+    proc = run_torchrun(2, "lazy_loading", "auto", env=env, timeout=200)
+    assert proc.stdout.count("held by the lazy group") == 2, proc.stdout
+    lazy = lazy_ranks.split(",")
+    assert proc.stderr.count("hold the caller's thread until they end") == len(lazy), proc.stderr[-3000:]
+    proc = run_torchrun(2, "lazy_loading", "1", env={**env, "HETCCL_TORCH_STREAM_ORDER": "1"}, timeout=200)
     assert proc.stdout.count("ConfigError") == 2, proc.stdout
+    for line in (x for x in proc.stdout.splitlines() if "ConfigError" in x):
+        assert any(f"rank {q}" in line or f"rank(s) {q}" in line for q in lazy), line
+
+
+@needs_1
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("path", ["hosts", "link"])
+@pytest.mark.parametrize("islands", ["a,a,b,b", "a,a,b"])
+def test_islands_of_several_ranks_stream_ordered(islands, path):
+    """Islands of two ranks (and one of one) on one GPU, NCCL inside each island (NCCL_HOSTID per rank lets it
+    hold two ranks of one GPU), the stream order by default: the island steps enqueued in NCCL on the caller's
+    stream, the leaders' step on the host. Every op, collectives in flight from a side stream, and the thread not
+    held (with the right results in stream order; islands of unequal width gather and reduce-scatter in padded
+    blocks); "hosts": each island its own host."""
+    names = [f"nvidia-{x}" for x in islands.split(",")]
+    env = {**CUDA_ENV, "TEST_ISLANDS": ",".join(names), "TEST_NCCL_HOSTIDS": "1", **PATHS[path]}
+    if path == "hosts":
+        env.update(HETCCL_HOST=islands, TEST_CHECK_HOSTS=islands)
+    n = len(names)
+    run_torchrun(n, "ops", "float32", env=env, timeout=280)
+    run_torchrun(n, "inflight", env=env, timeout=280)
+    run_torchrun(n, "held", env=env, timeout=280)
 
 
 # --- three and four islands (issue 16, item 4) ------------------------------------------------------------------

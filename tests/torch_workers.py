@@ -23,6 +23,8 @@ DTYPES = {"float32": torch.float32, "int64": torch.int64, "bfloat16": torch.bflo
 DEVICE = os.environ.get("TORCH_TEST_DEVICE", "cpu")
 if os.environ.get("TEST_ISLANDS"):  # per-rank island labels ("nvidia-0,nvidia-1"), indexed by the global rank
     os.environ["HETCCL_ISLAND"] = os.environ["TEST_ISLANDS"].split(",")[int(os.environ["RANK"])]
+if os.environ.get("TEST_NCCL_HOSTIDS"):  # NCCL runs every rank as its own host: an island of two ranks on one GPU
+    os.environ["NCCL_HOSTID"] = f"h{os.environ['RANK']}"
 if os.environ.get("TEST_NCCL_LIBS"):  # per-rank NCCL libraries (HETCCL_NCCL_LIB; empty: hetccl's default search)
     _lib = os.environ["TEST_NCCL_LIBS"].split(",")[int(os.environ["RANK"])]
     if _lib:
@@ -833,20 +835,38 @@ def case_label_mismatch() -> None:
     os._exit(0)
 
 
-def case_lazy_loading_refused() -> None:
-    """HETCCL_TORCH_STREAM_ORDER=1 with CUDA_MODULE_LOADING=LAZY set by the user: a ConfigError at init that
-    says what to set (the ordered host side needs the GIL that a lazily loading kernel launch holds)."""
+def case_lazy_loading(mode: str) -> None:
+    """CUDA_MODULE_LOADING=LAZY on the ranks in TEST_LAZY_RANKS (set here, before CUDA starts, as a user's own
+    setting). mode "auto": the group holds the thread for cross-island collectives (a blocking all_reduce behind
+    queued compute returns only after it) and gets the right sum; mode "1": a ConfigError at init that names
+    the lazy rank and what to set."""
     from hetccl.errors import ConfigError
 
-    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    r = int(os.environ["RANK"])
+    lazy = r in [int(q) for q in os.environ["TEST_LAZY_RANKS"].split(",")]
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"  # import hetccl.torch chose it (no CUDA call yet)
+    if lazy:
+        os.environ["CUDA_MODULE_LOADING"] = "LAZY"
     try:
-        _init()
+        dev = _init()
     except ConfigError as exc:
-        assert "CUDA_MODULE_LOADING=EAGER" in str(exc) and "HETCCL_TORCH_STREAM_ORDER" in str(exc), exc
+        assert mode == "1", exc
+        assert "HETCCL_TORCH_STREAM_ORDER" in str(exc), exc
+        assert "CUDA_MODULE_LOADING=EAGER" in str(exc) or not lazy, exc
         print(f"ConfigError: {exc}", flush=True)
-    else:
-        raise AssertionError("the stream order was accepted under lazy module loading")
-    os._exit(0)
+        os._exit(0)
+    assert mode == "auto", "the stream order was accepted under lazy module loading"
+    a = torch.randn(4096, 4096, device=dev)
+    x = torch.full((1 << 20,), float(r + 1), device=dev)
+    torch.cuda.synchronize()
+    for _ in range(20):
+        torch.mm(a, a)
+    dist.all_reduce(x)
+    busy = not torch.cuda.current_stream().query()
+    _eq(x[::4096], torch.full((256,), 3.0, device=dev), "all_reduce")
+    assert not busy, "the caller's stream still had work after a held all_reduce returned"
+    print(f"rank {r}: held by the lazy group", flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

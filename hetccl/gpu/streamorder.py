@@ -143,11 +143,30 @@ def loading_problem() -> str:
         return ""  # no driver: words_for() says so where it matters
     if not lazy:
         return ""
-    return ("HETCCL_TORCH_STREAM_ORDER=1 needs CUDA_MODULE_LOADING=EAGER, and this process loads GPU modules "
-            "lazily: the first launch of a kernel would wait for a stream that waits for hetccl's loop thread, "
-            "which waits for the Python GIL that the launch holds. Set CUDA_MODULE_LOADING=EAGER in the "
-            "environment of every rank before CUDA starts (hetccl sets it at `import hetccl.torch` when CUDA has "
-            "not started and the variable is unset), or unset HETCCL_TORCH_STREAM_ORDER on every rank")
+    return ("the stream order across islands (HETCCL_TORCH_STREAM_ORDER) needs CUDA_MODULE_LOADING=EAGER, and this "
+            "process loads GPU modules lazily: the first launch of a kernel would wait for a stream that waits for "
+            "hetccl's loop thread, which waits for the Python GIL that the launch holds. Set "
+            "CUDA_MODULE_LOADING=EAGER in the environment of every rank before CUDA starts (hetccl sets it at "
+            "`import hetccl.torch` when CUDA has not started and the variable is unset: import it before any "
+            "CUDA call)")
+
+
+def process_problem() -> str:
+    """Why this process cannot order cross-island collectives on the caller's stream ("" where it can, and in a
+    process without a GPU: it never orders, and its host schedule is the one that ordered ranks run)."""
+    torch = torch_mod()
+    if not torch.cuda.is_available():
+        return ""
+    why = loading_problem()
+    if why:
+        return why
+    from ..bindings.streamops import load_streamops
+
+    try:
+        load_streamops("hip" if getattr(torch.version, "hip", None) else "cuda")
+    except TransportError as exc:
+        return f"the stream order across islands needs GPU stream memory operations, and this process has none ({exc})"
+    return ""
 
 
 def words_for(device: Any) -> Words | None:

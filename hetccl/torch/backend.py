@@ -11,6 +11,7 @@ caller's thread enqueues only while none of the group's operations is on the loo
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import secrets
 import socket
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,6 +32,7 @@ from hetccl.gpu.runtime import CALLER_STREAM, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
 
 BACKEND_NAME = "hetccl"
+log = logging.getLogger("hetccl")
 
 _ADDR_KEY = "hetccl/addr"
 _SECRET_KEY = "hetccl/secret"
@@ -122,13 +125,12 @@ def _bootstrap(store: Any, rank: int, size: int, timeout: datetime.timedelta | N
 # CUDA tensors go straight to hetccl's device path (NCCL inside an island, the cross-island link between
 # islands); HETCCL_TORCH_CUDA=staged copies them through host memory instead
 _CUDA_DIRECT = params.get("HETCCL_TORCH_CUDA") == "direct"
-# 1: a collective of CUDA tensors across islands is ordered on the caller's stream and returns at once
-# (gpu/streamorder.py), as inside one island; opt-in: it stages through host memory even where the islands
-# share a zero-copy link (FSDP2 over the link: 502 ms a step ordered, 100 ms held, one H200, 2026-12-04)
+# a collective of CUDA tensors across islands is ordered on the caller's stream and returns at once
+# (gpu/streamorder.py), as inside one island: None (auto) wherever every rank can, agreed at init; True: required
 _STREAM_ORDER = params.get("HETCCL_TORCH_STREAM_ORDER")
 # ... which deadlocks under CUDA's lazy module loading (gpu/streamorder.loading_problem); torch picks LAZY at its
 # CUDA start only where the variable is unset, so choosing EAGER here, before that start, is the user's intent
-if _STREAM_ORDER and "CUDA_MODULE_LOADING" not in os.environ and not torch.cuda.is_initialized():
+if _STREAM_ORDER is not False and "CUDA_MODULE_LOADING" not in os.environ and not torch.cuda.is_initialized():
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 # CPU tensors whose numpy view the shared-memory fast path reduces (numpy has no bfloat16)
 _HOST_NOW_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int8,
@@ -340,6 +342,30 @@ class _Kinds:
             self._cv.notify_all()
 
 
+def _agree_stream_order(comm: hetccl.SyncCommunicator, rank: int) -> bool:
+    """Whether this group orders its cross-island CUDA collectives on the caller's stream: every rank must, or
+    none (the ordered schedule's sub-collectives differ from the loop's), so each says whether it can and all
+    take the answer of the least able. A rank without a GPU can: it runs the host schedule either way."""
+    if _STREAM_ORDER is False or comm.async_comm.island_count == 1:
+        return False
+    why = streamorder.process_problem()
+    able = np.zeros(comm.size, dtype=np.uint8)
+    comm.all_gather(able, np.array([0 if why else 1], dtype=np.uint8))
+    unable = [r for r in range(comm.size) if not able[r]]
+    if not unable:
+        return True
+    says = f"rank {rank}: {why}" if why else f"rank(s) {', '.join(map(str, unable))} cannot"
+    if _STREAM_ORDER:
+        raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1, and {says}; fix that, or set HETCCL_TORCH_STREAM_ORDER=auto "
+                          "(the thread then waits for cross-island collectives) on every rank")
+    if why:  # the rank that holds the others back says why; they log the decision quietly
+        log.warning("hetccl: cross-island collectives of CUDA tensors hold the caller's thread until they end: %s",
+                    says)
+    else:
+        log.info("hetccl: cross-island collectives of CUDA tensors are not stream-ordered: %s", says)
+    return False
+
+
 class HetcclBackend(dist.ProcessGroup):
     """c10d process group whose collectives run on a hetccl communicator.
 
@@ -350,8 +376,6 @@ class HetcclBackend(dist.ProcessGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta | None = None,
                  group_name: str = ""):
         super().__init__(rank, size)
-        if _STREAM_ORDER and (why := streamorder.loading_problem()):
-            raise ConfigError(why)
         self._rank, self._size = rank, size
         self._group_name = group_name
         self._group_desc = ""
@@ -365,6 +389,11 @@ class HetcclBackend(dist.ProcessGroup):
         # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
         self.broken: BaseException | None = None
         self._kinds = _Kinds()
+        try:
+            self._ordered = _agree_stream_order(self._comm, rank)
+        except BaseException:
+            self._comm.close()
+            raise
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -443,7 +472,7 @@ class HetcclBackend(dist.ProcessGroup):
         # the caller's stream on the tensors' device: device collectives are enqueued on it (not on the loop
         # thread's own current stream), and copies back and the future's completion events are recorded on it
         stream = torch.cuda.current_stream(devices[0]) if devices else None
-        if stream is not None and ordered is not None and bufs and _STREAM_ORDER and _CUDA_DIRECT \
+        if stream is not None and ordered is not None and bufs and self._ordered and _CUDA_DIRECT \
                 and self._comm is not None and all(b.is_cuda for b in bufs):
             work = self._launch_ordered(ordered, result, after, stream)
             if work is not None:
@@ -468,7 +497,7 @@ class HetcclBackend(dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
-        kind = "loop" if stream is not None and _STREAM_ORDER else None  # device work on the loop (_Kinds)
+        kind = "loop" if stream is not None and self._ordered else None  # device work on the loop (_Kinds)
 
         def done(cf: Any) -> None:
             self._finished += 1
@@ -509,7 +538,15 @@ class HetcclBackend(dist.ProcessGroup):
         error of the host side lets the stream go and is raised by this group's next call or wait(). None
         where the loop must do it all."""
         name, args, kwargs = ordered
-        self._kinds.enter("ordered", self._acomm.settings.timeout)
+        timeout = self._acomm.settings.timeout
+        setup = self._acomm.ordered_setup(stream.device_index)
+        if setup is not None:  # once per device: made by the loop, which makes CUDA calls, so nothing ordered waits
+            self._kinds.enter("loop", timeout)
+            try:
+                self._comm.submit(setup).result(timeout + 5.0)
+            finally:
+                self._kinds.leave("loop")
+        self._kinds.enter("ordered", timeout)
         try:
             with torch.cuda.device(stream.device_index):
                 planned = self._acomm.enqueue_ordered(name, args, kwargs, stream)
