@@ -473,13 +473,15 @@ def ordered_setup(group: Group, device: int) -> Coroutine[Any, Any, Any] | None:
     return make()
 
 
-def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
-                    stream: Any) -> tuple[Coroutine[Any, Any, None], Callable[[], None]] | None:
-    """From the caller's thread: enqueue the device side of collective `name` (a SCHEDULES entry, checked
-    arguments as they take them) on `stream`, and return the coroutine of its host side for hetccl's loop
-    (the stream waits for it), with what lets the stream go if that coroutine is never run. None where this
-    layout or device cannot (then the loop does it all: decided from the layout and the call alone, so on
-    every rank alike)."""
+Ordered = tuple[Coroutine[Any, Any, None], Callable[[], None], Callable[[], None]]
+
+
+def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any) -> Ordered | None:
+    """From the caller's thread: plan collective `name` (a SCHEDULES entry, checked arguments as they take
+    them) on `stream`. Returns the coroutine of its host side for hetccl's loop, what enqueues its device side
+    (call it after submitting the coroutine: a vendor CCL's enqueue may wait for the stream, which waits for the
+    host side), and what lets the stream go if the coroutine is never run. None where this layout or device
+    cannot (then the loop does it all: decided from the layout and the call alone, so on every rank alike)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
     if plan is None or lay is None or lay.single:
@@ -500,7 +502,8 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...],
             return _link_ordered(group, name, lay.link, words, stream, args)
     island = _Island(group, lay, bufs[0].device, stream)
     stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
-    return _host_side(group, name, stage, body, fingerprint), lambda: stage is not None and stage.finish(False)
+    return (_host_side(group, name, stage, body, fingerprint), island.enqueue,
+            lambda: stage is not None and stage.finish(False))
 
 
 def _pair_link_applies(group: Group, lay: Layout) -> bool:
@@ -512,8 +515,7 @@ def _pair_link_applies(group: Group, lay: Layout) -> bool:
             and all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g))
 
 
-def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any,
-                  args: tuple[Any, ...]) -> tuple[Coroutine[Any, Any, None], Callable[[], None]]:
+def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any, args: tuple[Any, ...]) -> Ordered:
     """Two GPU leaders of one host, one rank each, joined by the GPU-signalled pair link: its whole
     collective is enqueued here on the caller's stream, then a word; the host only waits for that word (the
     deadline, a lost peer). No staging through host memory and no host step between the streams."""
@@ -532,7 +534,7 @@ def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any,
                 link.release(exc)
                 raise
 
-    return host_side(), lambda: link.release(HetcclError(f"{what}: its host side never ran"))
+    return host_side(), lambda: None, lambda: link.release(HetcclError(f"{what}: its host side never ran"))
 
 
 def _link_all_reduce(group: Group, link: Any, stream: Any, b: DeviceBuf, rop: ReduceOp) -> tuple[Any, str, tuple]:
@@ -585,19 +587,35 @@ class _Island:
                 raise HetcclError("an ordered collective of an island of several ranks needs the island's vendor "
                                   "communicator (hierarchical.ordered_setup makes it first)")
 
+        self._queue: list[Callable[[], None]] = []  # the device side, enqueued by enqueue() in this order
+
+    def later(self, fn: Callable[[], None]) -> None:
+        self._queue.append(fn)
+
     def run(self, name: str, t: Any, root: int = 0, op: ReduceOp = ReduceOp.SUM, inp: Any = None) -> None:
+        """Later: the island's vendor collective `name` on the stream."""
         bufs = [as_device_buf(t)] + ([as_device_buf(inp)] if inp is not None else [])
         _, call, what = dispatch.vendor_call(name, bufs, root, op)
-        deadline = time.monotonic() + self.comm.settings.timeout  # the vendor watchdog's clock
-        self.vc.run_now(lambda s: call(self.vc, s), self.stream.cuda_stream, deadline, f"island {what}")
+        vc, stream = self.vc, self.stream.cuda_stream
+
+        def enqueue() -> None:
+            deadline = time.monotonic() + self.comm.settings.timeout  # the vendor watchdog's clock
+            vc.run_now(lambda s: call(vc, s), stream, deadline, f"island {what}")
+        self._queue.append(enqueue)
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """Later: dst <- src on the stream."""
+        self._queue.append(lambda: dst.copy_(src))
+
+    def enqueue(self) -> None:
+        with torch_mod().cuda.stream(self.stream):
+            for fn in self._queue:
+                fn()
 
     def empty_like(self, t: Any, count: int | None = None) -> Any:
         torch = torch_mod()
         with torch.cuda.stream(self.stream):
             return torch.empty(t.numel() if count is None else count, dtype=t.dtype, device=t.device)
-
-    def local(self) -> Any:
-        return torch_mod().cuda.stream(self.stream)
 
 
 def _raw(b: Any) -> Any:
@@ -634,7 +652,7 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
         isl.run("reduce", t, 0, inner)
     stage = body = None
     if isl.leader:
-        stage = streamorder.Stage(words, stream, b.nbytes)
+        stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
         pieces = _chunks(b.count, b.dtype.itemsize)
         stage.to_host(_raw(b), 0, pieces)
         stage.from_host(_raw(b), 0, pieces)
@@ -662,11 +680,10 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     if isl.comm is not None:
         isl.run("all_gather", mine, inp=t)
     elif mine.data_ptr() != t.data_ptr():
-        with isl.local():
-            mine.copy_(t)
+        isl.copy(mine, t)
     stage = body = None
     if isl.leader:
-        stage = streamorder.Stage(words, stream, every.numel() * isz)
+        stage = streamorder.Stage(words, stream, every.numel() * isz, isl.later)
         stage.to_host(_raw(mine), lo * isz, [(0, mine.numel() * isz)])
         stage.from_host(_raw(every), 0, [(0, every.numel() * isz)])
         stage.seal()
@@ -682,11 +699,10 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
         isl.run("broadcast", every, 0)
     if every.data_ptr() != as_tensor(out).data_ptr():
         dst = as_tensor(out)
-        with isl.local():
-            for i, island in enumerate(lay.islands):  # back to group rank order
-                for j, r in enumerate(island):
-                    a = (i * width + j) * k
-                    dst[r * k:(r + 1) * k].copy_(every[a:a + k])
+        for i, island in enumerate(lay.islands):  # back to group rank order
+            for j, r in enumerate(island):
+                a = (i * width + j) * k
+                isl.copy(dst[r * k:(r + 1) * k], every[a:a + k])
     return stage, body, (CollOp.ALL_GATHER, None, k)
 
 
@@ -704,22 +720,20 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     blk = width * k
     if scratch:
         src, acc = acc, isl.empty_like(acc, len(lay.islands) * blk)
-        with isl.local():
-            for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
-                for j, r in enumerate(island):
-                    a = (i * width + j) * k
-                    acc[a:a + k].copy_(src[r * k:(r + 1) * k])
+        for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
+            for j, r in enumerate(island):
+                a = (i * width + j) * k
+                isl.copy(acc[a:a + k], src[r * k:(r + 1) * k])
     elif isl.comm is not None and isl.leader:  # the leader's buffer receives the island's sum: not the input
         src, acc = acc, isl.empty_like(acc)
-        with isl.local():
-            acc.copy_(src)
+        isl.copy(acc, src)
     if isl.comm is not None:
         isl.run("reduce", acc, 0, inner)
     region = dst if blk == k else isl.empty_like(dst, blk)
     stage = body = None
     if isl.leader:
         nb = acc.numel() * isz
-        stage = streamorder.Stage(words, stream, nb + blk * isz)
+        stage = streamorder.Stage(words, stream, nb + blk * isz, isl.later)
         stage.to_host(_raw(acc), 0, [(0, nb)])
         stage.from_host(_raw(region), nb, [(0, blk * isz)])
         stage.seal()
@@ -733,11 +747,9 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     if region is not dst:
         if isl.comm is not None:
             isl.run("broadcast", region, 0)
-        with isl.local():
-            dst.copy_(region[isl.index * k:(isl.index + 1) * k])
+        isl.copy(dst, region[isl.index * k:(isl.index + 1) * k])
     if rop == ReduceOp.AVG:
-        with isl.local():
-            divide_inplace(dst, group.size)
+        isl.later(lambda: divide_inplace(dst, group.size))
     return stage, body, (CollOp.REDUCE_SCATTER, None, k, -1, rop)
 
 
@@ -753,7 +765,7 @@ def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream:
         isl.run("broadcast", t, lay.my_members.index(root))
     stage = body = None
     if isl.leader:
-        stage = streamorder.Stage(words, stream, b.nbytes)
+        stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
         whole = [(0, b.nbytes)]
         if mine:
             stage.to_host(_raw(b), 0, whole)

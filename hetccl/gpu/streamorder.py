@@ -260,41 +260,48 @@ class Stage:
     """One collective's device side, enqueued by the caller's thread on its stream, and the host side's view
     of it: `host` (a pinned uint8 array), `arrived(i)` (piece i of the copies to the host has landed) and
     `done(j)` (piece j may be copied back). `to_host`, `from_host` and `seal` are called once each, in that
-    order (either copy may have no pieces)."""
+    order (either copy may have no pieces). Each takes its words at once and hands what it enqueues to `later`
+    (default: enqueue now), so that the host side may start before the device side is enqueued."""
 
-    def __init__(self, words: Words, stream: Any, nbytes: int):
+    def __init__(self, words: Words, stream: Any, nbytes: int,
+                 later: Callable[[Callable[[], None]], None] | None = None):
         self.words, self.stream = words, stream
         self._buf = words.pinned(nbytes)
         self.host = self._buf.array[:nbytes]
         self._arrivals: list[tuple[int, int]] = []
         self._releases: list[tuple[int, int]] = []
+        self._later = later or (lambda fn: fn())
 
     def to_host(self, src: Any, at: int, pieces: list[tuple[int, int]]) -> None:
         """Copy bytes [a, b) of the uint8 device tensor src to host[at + a: at + b] for each piece, each then
         announced by its own word."""
-        torch = torch_mod()
         words = self.words.take(len(pieces))
-        with torch.cuda.stream(self.stream):
-            for (a, b), w in zip(pieces, words, strict=True):
-                self._buf.tensor[at + a:at + b].copy_(src[a:b], non_blocking=True)
-                self.words.signal(self.stream.cuda_stream, w)
         self._arrivals += words
+
+        def enqueue() -> None:
+            with torch_mod().cuda.stream(self.stream):
+                for (a, b), w in zip(pieces, words, strict=True):
+                    self._buf.tensor[at + a:at + b].copy_(src[a:b], non_blocking=True)
+                    self.words.signal(self.stream.cuda_stream, w)
+        self._later(enqueue)
 
     def from_host(self, dst: Any, at: int, pieces: list[tuple[int, int]]) -> None:
         """For each piece: wait for its word, then copy host[at + a: at + b] into bytes [a, b) of dst."""
-        torch = torch_mod()
         words = self.words.take(len(pieces))
-        with torch.cuda.stream(self.stream):
-            for (a, b), w in zip(pieces, words, strict=True):
-                self.words.hold(self.stream.cuda_stream, w)
-                dst[a:b].copy_(self._buf.tensor[at + a:at + b], non_blocking=True)
         self._releases += words
+
+        def enqueue() -> None:
+            with torch_mod().cuda.stream(self.stream):
+                for (a, b), w in zip(pieces, words, strict=True):
+                    self.words.hold(self.stream.cuda_stream, w)
+                    dst[a:b].copy_(self._buf.tensor[at + a:at + b], non_blocking=True)
+        self._later(enqueue)
 
     def seal(self) -> None:
         """The stream's last use of the pinned buffer: it is free once the stream passes here."""
         end = self.words.take(1)[0]
-        self.words.signal(self.stream.cuda_stream, end)
         self._buf.end = end
+        self._later(lambda: self.words.signal(self.stream.cuda_stream, end))
 
     async def arrived(self, i: int, deadline: float, what: str) -> None:
         loop = asyncio.get_running_loop()

@@ -556,7 +556,7 @@ class HetcclBackend(dist.ProcessGroup):
         if planned is None:
             self._kinds.leave("ordered")
             return None
-        host_side, abandon = planned
+        host_side, device_side, abandon = planned
 
         def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
             self._finished += 1
@@ -570,11 +570,23 @@ class HetcclBackend(dist.ProcessGroup):
 
         self._submitted += 1
         try:
-            self._comm.submit(host_side).add_done_callback(done)
+            cf = self._comm.submit(host_side)
         except BaseException:
             self._finished += 1
             self._kinds.leave("ordered")
             host_side.close()
+            abandon()
+            raise
+        cf.add_done_callback(done)
+        # the device side after the host side is submitted: a vendor CCL's enqueue may wait for this stream (on
+        # one H200 NCCL's broadcast enqueue did, 2026-12-06), and the stream waits for the host side's words
+        try:
+            with torch.cuda.device(stream.device_index):
+                device_side()
+        except BaseException as exc:
+            if self.broken is None:
+                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            cf.cancel()
             abandon()
             raise
         if after is not None:
