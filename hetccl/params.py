@@ -349,7 +349,7 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_TORCH_CUDA", "choice", "direct", "`staged`: the torch backend copies CUDA tensors through host "
        "memory instead of hetccl's device path", "hetccl.torch.backend", choices=("direct", "staged")),
     _P("HETCCL_TORCH_STREAM_ORDER", "choice", None, "a torch all_reduce, broadcast, all_gather or reduce_scatter "
-       "of CUDA tensors across islands of one rank each is ordered on the caller's stream and returns at once, as "
+       "of CUDA tensors across islands is ordered on the caller's stream and returns at once, as "
        "inside one island; `auto`: wherever every rank can (CUDA's eager module loading, which `import hetccl.torch` "
        "chooses before CUDA starts, and GPU stream memory operations), agreed at init, else the caller's thread "
        "waits for the collective's end; `1`: required (a `ConfigError` at init where a rank cannot); `0`: never",
