@@ -586,7 +586,6 @@ class _Island:
             if self.vc is None:
                 raise HetcclError("an ordered collective of an island of several ranks needs the island's vendor "
                                   "communicator (hierarchical.ordered_setup makes it first)")
-
         self._queue: list[Callable[[], None]] = []  # the device side, enqueued by enqueue() in this order
 
     def later(self, fn: Callable[[], None]) -> None:
