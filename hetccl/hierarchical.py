@@ -317,6 +317,12 @@ async def reduce(group: Group, b: Mem, root: int, rop: ReduceOp) -> None:
             v.divide(v.flat, group.size)
 
 
+def _padded_blocks(lay: Layout, width: int, k: int) -> list[tuple[int, int]]:
+    """(rank r's block start, r's block start in island-major blocks padded to `width` ranks an island), in
+    elements of blocks of k: the reordering of all_gather's and reduce_scatter's padded schedules."""
+    return [(r * k, (i * width + j) * k) for i, island in enumerate(lay.islands) for j, r in enumerate(island)]
+
+
 def _rank_ordered(lay: Layout) -> bool:
     """Islands of one size whose ranks follow each other: island-major order is rank order, so the leaders'
     blocks are the caller's buffer itself (no padding, no reordering copies)."""
@@ -391,10 +397,8 @@ async def all_gather(group: Group, out: Mem, inp: Mem) -> None:
     if isl is not None:
         await isl.flat_broadcast(vi.mem(every), 0)
     if every is not vo.flat:
-        for i, island in enumerate(lay.islands):  # back to group rank order
-            for j, r in enumerate(island):
-                a = (i * width + j) * k
-                vi.copy(_sl(vo.flat, r * k, (r + 1) * k), _sl(every, a, a + k))
+        for r0, a in _padded_blocks(lay, width, k):  # back to group rank order
+            vi.copy(_sl(vo.flat, r0, r0 + k), _sl(every, a, a + k))
 
 
 async def reduce_scatter(group: Group, out: Mem, inp: Mem, rop: ReduceOp) -> None:
@@ -412,10 +416,8 @@ async def reduce_scatter(group: Group, out: Mem, inp: Mem, rop: ReduceOp) -> Non
     if scratch:
         width = max(len(m) for m in lay.islands)
         src = vi.empty(len(lay.islands) * width * k)
-        for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
-            for j, r in enumerate(island):
-                a = (i * width + j) * k
-                vi.copy(_sl(src, a, a + k), _sl(vi.flat, r * k, (r + 1) * k))
+        for r0, a in _padded_blocks(lay, width, k):  # island-major, padded (the padding's sums are never read)
+            vi.copy(_sl(src, a, a + k), _sl(vi.flat, r0, r0 + k))
     else:
         width, src = len(members), vi.flat
     blk = width * k
@@ -617,10 +619,6 @@ class _Island:
             return torch.empty(t.numel() if count is None else count, dtype=t.dtype, device=t.device)
 
 
-def _raw(b: Any) -> Any:
-    return (as_tensor(b) if isinstance(b, DeviceBuf) else b).view(torch_mod().uint8)
-
-
 def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
     isz = b.dtype.itemsize
     return Buf(stage.host[at:at + count * isz], b.dtype, count)
@@ -653,8 +651,8 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     if isl.leader:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
         pieces = _chunks(b.count, b.dtype.itemsize)
-        stage.to_host(_raw(b), 0, pieces)
-        stage.from_host(_raw(b), 0, pieces)
+        stage.to_host(t, 0, pieces)
+        stage.from_host(t, 0, pieces)
         stage.seal()
         host = _host(stage, b, 0, b.count)
         body = lambda: _leaders_all_reduce_host(group, lay, host, rop, stage)  # noqa: E731
@@ -683,8 +681,8 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     stage = body = None
     if isl.leader:
         stage = streamorder.Stage(words, stream, every.numel() * isz, isl.later)
-        stage.to_host(_raw(mine), lo * isz, [(0, mine.numel() * isz)])
-        stage.from_host(_raw(every), 0, [(0, every.numel() * isz)])
+        stage.to_host(mine, lo * isz, [(0, mine.numel() * isz)])
+        stage.from_host(every, 0, [(0, every.numel() * isz)])
         stage.seal()
         whole = Buf(stage.host[:every.numel() * isz], out.dtype, every.numel())
         block = every.numel() // len(lay.islands)
@@ -698,10 +696,8 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
         isl.run("broadcast", every, 0)
     if every.data_ptr() != as_tensor(out).data_ptr():
         dst = as_tensor(out)
-        for i, island in enumerate(lay.islands):  # back to group rank order
-            for j, r in enumerate(island):
-                a = (i * width + j) * k
-                isl.copy(dst[r * k:(r + 1) * k], every[a:a + k])
+        for r0, a in _padded_blocks(lay, width, k):  # back to group rank order
+            isl.copy(dst[r0:r0 + k], every[a:a + k])
     return stage, body, (CollOp.ALL_GATHER, None, k)
 
 
@@ -719,10 +715,8 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     blk = width * k
     if scratch:
         src, acc = acc, isl.empty_like(acc, len(lay.islands) * blk)
-        for i, island in enumerate(lay.islands):  # island-major, padded (the padding's sums are never read)
-            for j, r in enumerate(island):
-                a = (i * width + j) * k
-                isl.copy(acc[a:a + k], src[r * k:(r + 1) * k])
+        for r0, a in _padded_blocks(lay, width, k):  # island-major, padded (the padding's sums are never read)
+            isl.copy(acc[a:a + k], src[r0:r0 + k])
     elif isl.comm is not None and isl.leader:  # the leader's buffer receives the island's sum: not the input
         src, acc = acc, isl.empty_like(acc)
         isl.copy(acc, src)
@@ -733,8 +727,8 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     if isl.leader:
         nb = acc.numel() * isz
         stage = streamorder.Stage(words, stream, nb + blk * isz, isl.later)
-        stage.to_host(_raw(acc), 0, [(0, nb)])
-        stage.from_host(_raw(region), nb, [(0, blk * isz)])
+        stage.to_host(acc, 0, [(0, nb)])
+        stage.from_host(region, nb, [(0, blk * isz)])
         stage.seal()
         whole = Buf(stage.host[:nb], out.dtype, acc.numel())
         mine = Buf(stage.host[nb:nb + blk * isz], out.dtype, blk)
@@ -767,9 +761,9 @@ def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
         whole = [(0, b.nbytes)]
         if mine:
-            stage.to_host(_raw(b), 0, whole)
+            stage.to_host(t, 0, whole)
         else:
-            stage.from_host(_raw(b), 0, whole)
+            stage.from_host(t, 0, whole)
         stage.seal()
         host = _host(stage, b, 0, b.count)
 

@@ -260,17 +260,16 @@ class Stage:
     """One collective's device side, enqueued by the caller's thread on its stream, and the host side's view
     of it: `host` (a pinned uint8 array), `arrived(i)` (piece i of the copies to the host has landed) and
     `done(j)` (piece j may be copied back). `to_host`, `from_host` and `seal` are called once each, in that
-    order (either copy may have no pieces). Each takes its words at once and hands what it enqueues to `later`
-    (default: enqueue now), so that the host side may start before the device side is enqueued."""
+    order (either copy may have no pieces). Each takes its words at once and hands what it enqueues to `later`,
+    so that the host side may start before the device side is enqueued."""
 
-    def __init__(self, words: Words, stream: Any, nbytes: int,
-                 later: Callable[[Callable[[], None]], None] | None = None):
+    def __init__(self, words: Words, stream: Any, nbytes: int, later: Callable[[Callable[[], None]], None]):
         self.words, self.stream = words, stream
         self._buf = words.pinned(nbytes)
         self.host = self._buf.array[:nbytes]
         self._arrivals: list[tuple[int, int]] = []
         self._releases: list[tuple[int, int]] = []
-        self._later = later or (lambda fn: fn())
+        self._later = later
 
     def to_host(self, src: Any, at: int, pieces: list[tuple[int, int]]) -> None:
         """Copy bytes [a, b) of the contiguous device tensor src to host[at + a: at + b] for each piece, each
@@ -278,7 +277,7 @@ class Stage:
         words = self.words.take(len(pieces))
         self._arrivals += words
 
-        def enqueue() -> None:  # raw copies: a torch copy_ costs the caller's thread several times more
+        def enqueue() -> None:  # copies by address: no torch dispatch per piece (not measurably faster on an H100)
             ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr + at, src.data_ptr()
             for (a, b), w in zip(pieces, words, strict=True):
                 ops.copy(host + a, dev + a, b - a, stream)

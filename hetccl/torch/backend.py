@@ -342,7 +342,7 @@ class _Kinds:
             self._cv.notify_all()
 
 
-def _agree_stream_order(comm: hetccl.SyncCommunicator, rank: int) -> bool:
+def _agree_stream_order(comm: hetccl.SyncCommunicator) -> bool:
     """Whether this group orders its cross-island CUDA collectives on the caller's stream: every rank must, or
     none (the ordered schedule's sub-collectives differ from the loop's), so each says whether it can and all
     take the answer of the least able. A rank without a GPU can: it runs the host schedule either way."""
@@ -354,7 +354,7 @@ def _agree_stream_order(comm: hetccl.SyncCommunicator, rank: int) -> bool:
     unable = [r for r in range(comm.size) if not able[r]]
     if not unable:
         return True
-    says = f"rank {rank}: {why}" if why else f"rank(s) {', '.join(map(str, unable))} cannot"
+    says = f"rank {comm.rank}: {why}" if why else f"rank(s) {', '.join(map(str, unable))} cannot"
     if _STREAM_ORDER:
         raise ConfigError(f"HETCCL_TORCH_STREAM_ORDER=1, and {says}; fix that, or set HETCCL_TORCH_STREAM_ORDER=auto "
                           "(the thread then waits for cross-island collectives) on every rank")
@@ -390,7 +390,7 @@ class HetcclBackend(dist.ProcessGroup):
         self.broken: BaseException | None = None
         self._kinds = _Kinds()
         try:
-            self._ordered = _agree_stream_order(self._comm, rank)
+            self._ordered = _agree_stream_order(self._comm)
         except BaseException:
             self._comm.close()
             raise
