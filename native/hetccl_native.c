@@ -1672,3 +1672,23 @@ void hccl_pump_free(hccl_pump *p)
     free(p);
 }
 #endif
+
+/* ---- stream-order words ------------------------------------------------------------------------ */
+int hccl_words_wait(const uint64_t *addrs, const uint32_t *gens, int n, const uint32_t *bump, uint32_t seen,
+                    uint64_t pause_ns, uint64_t timeout_ns)
+{
+    uint64_t end = hccl_sat_add(hccl_now_ns(), timeout_ns);
+    struct timespec pause = {(time_t)(pause_ns / 1000000000u), (long)(pause_ns % 1000000000u)};
+    for (;;) {
+        for (int i = 0; i < n; i++) {
+            uint32_t w = __atomic_load_n((const uint32_t *)(uintptr_t)addrs[i], __ATOMIC_ACQUIRE);
+            if ((int32_t)(w - gens[i]) >= 0)
+                return i;
+        }
+        if (__atomic_load_n(bump, __ATOMIC_ACQUIRE) != seen)
+            return HCCL_WORDS_BUMPED;
+        if (hccl_now_ns() >= end)
+            return HCCL_WORDS_TIMEOUT;
+        nanosleep(&pause, NULL);
+    }
+}

@@ -732,3 +732,29 @@ def test_wait_across_processes(nat):
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     del arr, c, ack
+
+
+def test_words_wait(nat):
+    """The stream-order watcher's poll: the first word at its generation (serial comparison, across the 32-bit
+    wrap), a bump (new waits), the timeout, and a word stored by another thread while it sleeps."""
+    ffi, lib = nat.ffi, nat.lib
+    words = np.zeros(4, np.uint32)
+    bump = np.zeros(1, np.uint32)
+    addrs = np.array([words.ctypes.data + 4 * i for i in range(4)], np.uint64)
+
+    def wait(gens: list[int], seen: int = 0, timeout_ns: int = 20_000_000) -> int:
+        g = np.array(gens, np.uint32)
+        return lib.hccl_words_wait(ffi.cast("uint64_t *", addrs.ctypes.data), ffi.cast("uint32_t *", g.ctypes.data),
+                                   len(g), ffi.cast("uint32_t *", bump.ctypes.data), seen, 10_000, timeout_ns)
+
+    assert wait([1, 1, 1, 1]) == lib.HCCL_WORDS_TIMEOUT
+    words[2] = 1
+    assert wait([1, 1, 1, 1]) == 2
+    words[0], words[1] = 0xFFFFFFFF, 2  # a generation just past the wrap is later than 0xFFFFFFFF
+    assert wait([2, 0xFFFFFFFF, 5, 5]) == 1
+    assert wait([5, 5, 5, 5], seen=1) == lib.HCCL_WORDS_BUMPED
+    words[:] = 0
+    threading.Timer(0.05, lambda: words.__setitem__(3, 7)).start()
+    t0 = time.monotonic()
+    assert wait([1, 1, 1, 7], timeout_ns=5 * 10**9) == 3
+    assert time.monotonic() - t0 < 2.0

@@ -27,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import mmap
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .. import native
 from ..errors import CollectiveTimeout, TransportError
 from .runtime import device_index, torch_mod
 
@@ -192,12 +192,15 @@ def words_for(device: Any) -> Words | None:
 
 class _Watcher:
     """One thread that looks at the words the loop waits for and completes their futures: a poll without a
-    CUDA call, and without spinning the loop (its timers have millisecond steps)."""
+    CUDA call, and without spinning the loop (its timers have millisecond steps). The poll itself is native
+    and holds no GIL (hccl_words_wait): a Python poll took the GIL every POLL_S, and each time the caller's
+    thread let it go (any C call) it waited for the watcher to give it back."""
 
     def __init__(self) -> None:
         self._waits: list[tuple[Words, tuple[int, int], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._bump = np.zeros(1, dtype=np.uint32)  # changed with every new wait: the native poll looks again
 
     def wait(self, words: Words, word: tuple[int, int]) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -207,6 +210,7 @@ class _Watcher:
             return fut
         with self._cond:
             self._waits.append((words, word, loop, fut))
+            self._bump[0] += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hetccl-words", daemon=True)
                 self._thread.start()
@@ -214,19 +218,25 @@ class _Watcher:
         return fut
 
     def _run(self) -> None:
+        ffi, lib = native.ffi, native.lib
+        bump = ffi.cast("uint32_t *", self._bump.ctypes.data)
         while True:
             with self._cond:
+                self._waits = [w for w in self._waits if not w[3].done()]  # cancelled: until() gave up
                 while not self._waits:
                     self._cond.wait()
-                waits = list(self._waits)
-            done = [w for w in waits if w[3].done() or w[0].reached(w[1])]
+                waits, seen = list(self._waits), int(self._bump[0])
+            addrs = np.array([w[0].host.ctypes.data + 4 * w[1][0] for w in waits], dtype=np.uint64)
+            gens = np.array([w[1][1] for w in waits], dtype=np.uint32)
+            # back at the first word reached, a new wait, or CHECK_S (to drop cancelled waits)
+            lib.hccl_words_wait(ffi.cast("uint64_t *", addrs.ctypes.data), ffi.cast("uint32_t *", gens.ctypes.data),
+                                len(waits), bump, seen, int(POLL_S * 1e9), int(CHECK_S * 1e9))
+            done = {id(w): w for w in waits if w[0].reached(w[1])}
             if done:
                 with self._cond:
-                    self._waits = [w for w in self._waits if w not in done]
-                for _, _, loop, fut in done:
-                    if not fut.done():
-                        loop.call_soon_threadsafe(_settle, fut)
-            time.sleep(POLL_S)
+                    self._waits = [w for w in self._waits if id(w) not in done]
+                for _, _, loop, fut in done.values():
+                    loop.call_soon_threadsafe(_settle, fut)
 
 
 def _settle(fut: asyncio.Future) -> None:
