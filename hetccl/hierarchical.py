@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -475,15 +475,22 @@ def ordered_setup(group: Group, device: int) -> Coroutine[Any, Any, Any] | None:
     return make()
 
 
-Ordered = tuple[Coroutine[Any, Any, None], Callable[[], None], Callable[[], None]]
+class Ordered(NamedTuple):
+    """A collective planned on the caller's stream (enqueue_ordered)."""
+
+    host_side: Coroutine[Any, Any, None]  # for hetccl's loop
+    device_side: Callable[[], None]  # enqueues the device side on the stream
+    abandon: Callable[[], None]  # lets the stream go if host_side never runs
+    # the device side holds a vendor CCL's enqueue, which may wait for the stream, which waits for the host side:
+    # submit host_side first. Else enqueue the device side first, so that the loop thread, once woken, takes no
+    # GIL from the caller's thread while it enqueues
+    host_first: bool
 
 
 def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any) -> Ordered | None:
     """From the caller's thread: plan collective `name` (a SCHEDULES entry, checked arguments as they take
-    them) on `stream`. Returns the coroutine of its host side for hetccl's loop, what enqueues its device side
-    (call it after submitting the coroutine: a vendor CCL's enqueue may wait for the stream, which waits for the
-    host side), and what lets the stream go if the coroutine is never run. None where this layout or device
-    cannot (then the loop does it all: decided from the layout and the call alone, so on every rank alike)."""
+    them) on `stream`: its Ordered parts. None where this layout or device cannot (then the loop does it all:
+    decided from the layout and the call alone, so on every rank alike)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
     if plan is None or lay is None or lay.single:
@@ -504,8 +511,8 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any)
             return _link_ordered(group, name, lay.link, words, stream, args)
     island = _Island(group, lay, bufs[0].device, stream)
     stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
-    return (_host_side(group, name, stage, body, fingerprint), island.enqueue,
-            lambda: stage is not None and stage.finish(False))
+    return Ordered(_host_side(group, name, stage, body, fingerprint), island.enqueue,
+                   lambda: stage is not None and stage.finish(False), island.comm is not None)
 
 
 def _pair_link_applies(group: Group, lay: Layout) -> bool:
@@ -536,7 +543,8 @@ def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any, a
                 link.release(exc)
                 raise
 
-    return host_side(), lambda: None, lambda: link.release(HetcclError(f"{what}: its host side never ran"))
+    return Ordered(host_side(), lambda: None, lambda: link.release(HetcclError(f"{what}: its host side never ran")),
+                   False)
 
 
 def _link_all_reduce(group: Group, link: Any, stream: Any, b: DeviceBuf, rop: ReduceOp) -> tuple[Any, str, tuple]:

@@ -556,7 +556,9 @@ class HetcclBackend(dist.ProcessGroup):
         if planned is None:
             self._kinds.leave("ordered")
             return None
-        host_side, device_side, abandon = planned
+        # made before the loop thread is woken: Work's constructor lets the GIL go, and the loop would take it
+        end = torch.cuda.Event()
+        work = _EnqueuedWork(result, stream.device_index, stream.cuda_stream, end, self)
 
         def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
             self._finished += 1
@@ -568,37 +570,46 @@ class HetcclBackend(dist.ProcessGroup):
             if exc is not None and self.broken is None:
                 self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
 
-        self._submitted += 1
-        try:
-            cf = self._comm.submit(host_side)
-        except BaseException:
-            self._finished += 1
-            self._kinds.leave("ordered")
-            host_side.close()
-            abandon()
-            raise
-        cf.add_done_callback(done)
-        # the device side after the host side is submitted: a vendor CCL's enqueue may wait for this stream (on
-        # one H200 NCCL's broadcast enqueue did, 2026-12-06), and the stream waits for the host side's words
+        def submit() -> Any:
+            self._submitted += 1
+            try:
+                cf = self._comm.submit(planned.host_side)
+            except BaseException:
+                self._finished += 1
+                self._kinds.leave("ordered")
+                planned.host_side.close()
+                planned.abandon()
+                raise
+            cf.add_done_callback(done)
+            return cf
+
+        cf = submit() if planned.host_first else None
         try:
             with torch.cuda.device(stream.device_index):
-                device_side()
+                planned.device_side()
         except BaseException as exc:
             if self.broken is None:
                 self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
-            cf.cancel()
-            abandon()
+            if cf is None:
+                self._kinds.leave("ordered")
+                planned.host_side.close()
+            else:
+                cf.cancel()
+            planned.abandon()
             raise
-        if after is not None:
-            with torch.cuda.stream(stream):
-                after()
-        end = torch.cuda.Event()
-        end.record(stream)  # wait() on another stream also waits for the copies back
+        try:
+            if after is not None:
+                with torch.cuda.stream(stream):
+                    after()
+            end.record(stream)  # wait() on another stream also waits for the copies back
+        finally:
+            if cf is None:  # the device side is enqueued: the peers and the stream need the host side
+                submit()
         if blocking():  # HETCCL_GPU_BLOCKING=1 (on this rank alone, say): the same schedule, then wait for its end
             end.synchronize()
             if self.broken is not None:
                 raise self.broken
-        return _EnqueuedWork(result, stream.device_index, stream.cuda_stream, end, self)
+        return work
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
