@@ -69,7 +69,22 @@ def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         else:
             where = ""
         torch.set_printoptions(threshold=20, edgeitems=3)  # the message must fit the launcher's tail
-        raise AssertionError(f"rank {dist.get_rank()}: {what}: got {got!r}, want {want!r}{where}")
+        raise AssertionError(f"rank {dist.get_rank()}: {what}: got {got!r}, want {want!r}{where}"
+                             f"{_held_error()}")
+
+
+def _held_error() -> str:
+    """The error of an ordered collective that this rank's backend holds for its next call, if any: a wrong
+    result read before that call is its symptom, not its cause."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        for dev in ("cuda", "cpu"):
+            broken = getattr(pg._get_backend(torch.device(dev)), "broken", None)
+            if broken is not None:
+                return f"; the backend holds: {broken!r}"
+    except Exception:  # noqa: BLE001 (only a hint for the message)
+        pass
+    return ""
 
 
 def _val(r: int, shape: tuple[int, ...], dtype: torch.dtype, base: int = 0) -> torch.Tensor:
