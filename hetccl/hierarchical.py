@@ -617,8 +617,11 @@ class _Island:
         self._queue.append(lambda: dst.copy_(src))
 
     def enqueue(self) -> None:
+        queue, self._queue = self._queue, []  # its closures hold device tensors, and the host side holds this
+        # object: a tensor's last reference must not go on the loop thread (freeing a block used on another stream
+        # records CUDA events there, gpu/streamorder.py says why the loop makes no CUDA call)
         with torch_mod().cuda.stream(self.stream):
-            for fn in self._queue:
+            for fn in queue:
                 fn()
 
     def empty_like(self, t: Any, count: int | None = None) -> Any:
