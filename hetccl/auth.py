@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Any
 
-from .errors import AuthenticationError, HetcclError
+from .errors import AuthenticationError, CollectiveTimeout, HetcclError
 from .netio import read_control, write_control
 from .wire import decode_control_body
 
@@ -96,5 +96,5 @@ async def client_handshake(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
     try:
         await asyncio.wait_for(run(), timeout)
-    except TimeoutError:
-        raise AuthenticationError(f"{purpose} handshake timed out after {timeout:.0f} s") from None
+    except TimeoutError:  # a busy or unreachable server, not a wrong secret: the caller may try again
+        raise CollectiveTimeout(f"{purpose} handshake timed out after {timeout:.0f} s") from None

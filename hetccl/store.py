@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import time
 from typing import Any
@@ -47,7 +48,7 @@ class StoreServer:
             sock.close()
             raise HetcclError(f"rendezvous store cannot listen on {self.host}:{self.port}: {exc}; "
                               "pick another port (hetccl run picks a free one)") from None
-        sock.listen(256)
+        sock.listen(socket.SOMAXCONN)  # a job's ranks connect at once (8,192 of them: issue 32)
         sock.setblocking(False)
         self._sock = sock
         self.port = sock.getsockname()[1]
@@ -186,17 +187,20 @@ class StoreClient:
         prints a line on stderr now and then while it does not."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
-        delay, last = 0.01, None
+        # a burst of ranks overflows the server's accept queue: a connection caught there may wait for SYN-ACK
+        # retransmissions (seconds, doubling), so each attempt is short and the next one starts afresh; the
+        # pauses are jittered so that thousands of ranks do not come back in step
+        delay, attempt_s, last = 0.01, 2.0, None
         while True:
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
-                await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)),
-                                       max(0.05, deadline - time.monotonic()))
+                left = max(0.05, deadline - time.monotonic())
+                await asyncio.wait_for(loop.sock_connect(sock, (self.host, self.port)), min(attempt_s, left))
                 tune_socket(sock)
                 await client_handshake(loop, sock, self.secret, "store", {"rank": self.rank},
-                                       min(30.0, self.timeout))
+                                       min(attempt_s, left))
                 self._sock = sock
                 return
             except AuthenticationError:
@@ -211,8 +215,8 @@ class StoreClient:
                     f"{self.timeout:.0f} s ({last}); is rank 0 running with the same HETCCL_ADDR?")
             if notes is not None:
                 notes.say(f"rank {self.rank} waiting for rank 0's store at {self.host}:{self.port}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay, attempt_s = min(delay * 2, 0.5), min(attempt_s * 2, 30.0)
 
     async def _request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         if self._sock is None:

@@ -45,7 +45,7 @@ class PeerListener:
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, 0))
-        sock.listen(1024)
+        sock.listen(socket.SOMAXCONN)  # every peer may connect at once
         sock.setblocking(False)
         self._sock = sock
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
