@@ -14,6 +14,8 @@ number of iterations but stays alive; every other rank must raise CollectiveTime
 
     python benchmarks/fault_trials.py --trials 20 --stuck-trials 5 --out benchmarks/results/faults.md
     python benchmarks/fault_trials.py --transports tcp --ranks 4 --victim 0 --trials 10 --stuck-trials 0
+    python benchmarks/fault_trials.py --transports shm --ranks 32 --per-host 4 --victim-kind leader \
+        --trials 20 --stuck-trials 0     # issue 32: 8 "hosts" of 4, a host's first rank killed
 
 The second form is the case where attribution is hardest: the store's host dies, and each survivor closes its
 connections as soon as it sees that; the others must still name rank 0, not the survivor that left first.
@@ -65,14 +67,18 @@ def _start(job: Job, n: int, res: dict) -> tuple[str, set[int]] | None:
 
 
 def dead_peer_trial(transport: str, rng: random.Random, workdir: Path, ranks: int | None = None,
-                    victim: int | None = None) -> dict:
+                    victim: int | None = None, per_host: int = 0, victim_kind: str = "any") -> dict:
     n = ranks if ranks is not None else rng.randint(2, 4)
-    victim = victim if victim is not None else rng.randrange(n)
+    if victim is None:  # per_host: a host's first rank leads it (its island's leader, the shm group's first)
+        pool = [r for r in range(n) if victim_kind == "any" or (r % per_host == 0) == (victim_kind == "leader")]
+        victim = rng.choice(pool)
+    env = {"HETCCL_TRANSPORTS": TRANSPORTS[transport]}
+    if per_host:  # hosts of per_host ranks each, as other machines (HETCCL_HOST): TCP between them
+        env["HETCCL_HOST"] = ",".join(f"h{r // per_host}" for r in range(n))
     delay = round(rng.uniform(0.1, 2.0), 2)
     res = {"kind": "kill -9", "transport": transport, "n": n, "victim": victim, "moment": f"+{delay:.2f} s",
            "ok": False, "why": "", "detect": None, "exit": None}
-    job = Job.spawn(n, "fault_ranks:loop_until_error", {"HETCCL_TRANSPORTS": TRANSPORTS[transport]}, workdir,
-                    count=COUNT)
+    job = Job.spawn(n, "fault_ranks:loop_until_error", env, workdir, count=COUNT)
     try:
         started = _start(job, n, res)
         if started is None:
@@ -174,12 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--ranks", type=int, default=None, help="dead-peer trials: job size (default: 2-4, random)")
     ap.add_argument("--victim", type=int, default=None, help="dead-peer trials: the rank killed (default: random)")
+    ap.add_argument("--per-host", type=int, default=0, help="dead-peer trials: hosts of this many ranks each "
+                    "(HETCCL_HOST), the first of each its leader (default: one host)")
+    ap.add_argument("--victim-kind", choices=("any", "leader", "member"), default="any",
+                    help="with --per-host: kill a host's first rank, or another (default: any rank)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write a markdown report here")
     ap.add_argument("--keep", action="store_true", help="keep every trial's rank output (failed ones always are)")
     args = ap.parse_args(argv)
     if args.ranks is not None and not 2 <= args.ranks <= 64:
         ap.error("--ranks must be 2-64")
+    if args.victim_kind != "any" and (args.per_host < 2 or args.ranks is None):
+        ap.error("--victim-kind needs --ranks and --per-host of 2 or more")
     if args.victim is not None and not 0 <= args.victim < (args.ranks or 2):
         ap.error("--victim must be a rank of the job: below --ranks (below 2 when the job size is random)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
@@ -203,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for i, (kind, t) in enumerate(plan, 1):
         wd = base / f"{i:03d}-{kind}-{t}"
-        res = (dead_peer_trial(t, rng, wd, args.ranks, args.victim) if kind == "dead" else
+        res = (dead_peer_trial(t, rng, wd, args.ranks, args.victim, args.per_host, args.victim_kind)
+               if kind == "dead" else
                stuck_trial(t, rng, wd))
         results.append(res)
         if res["ok"] and not args.keep:
