@@ -25,6 +25,7 @@ caller's thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import threading
 from collections.abc import Callable
@@ -236,7 +237,9 @@ class _Watcher:
                 with self._cond:
                     self._waits = [w for w in self._waits if id(w) not in done]
                 for _, _, loop, fut in done.values():
-                    loop.call_soon_threadsafe(_settle, fut)
+                    if not fut.done():  # a cancelled wait: its loop may be closed by now
+                        with contextlib.suppress(RuntimeError):  # closed meanwhile: nobody waits there
+                            loop.call_soon_threadsafe(_settle, fut)
 
 
 def _settle(fut: asyncio.Future) -> None:
