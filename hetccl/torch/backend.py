@@ -265,6 +265,41 @@ class _FutureWork(dist.Work):
     _source_rank = source_rank
 
 
+class _DoneWork(dist.Work):
+    """The Work of a collective already done on the caller's thread: nothing to wait for, and its Future made
+    only when asked for (DDP's hooks ask; dist.all_reduce does not). A Future per call cost the small host
+    collectives a good part of their time."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._result = result
+        self._fut: torch.futures.Future | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            self._fut = torch.futures.Future()
+            self._fut.set_result(self._result)
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _EnqueuedWork(dist.Work):
     """A collective enqueued on the caller's stream inside one GPU island: done as far as the host is concerned.
     As ProcessGroupNCCL's (without blocking wait), wait() makes the waiter's current stream wait for it and
@@ -686,9 +721,7 @@ class HetcclBackend(dist.ProcessGroup):
             return None
         if done is not True:
             return self._launch(lambda: done, result)
-        fut = torch.futures.Future()
-        fut.set_result(result)
-        return _FutureWork(fut)
+        return _DoneWork(result)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, factor: float | None) -> Any:
         """Sparse COO all_reduce, SUM only (as Gloo): every rank's coalesced indices and values are gathered and
