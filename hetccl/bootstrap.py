@@ -150,12 +150,14 @@ def check_fd_room(records: list[dict[str, Any]], topology: Topology) -> None:
     limit and the number it needs where a rank's open-file limit, already raised to its hard limit, cannot hold
     a connection to every peer."""
     size = len(records)
+    lazy = params.get("HETCCL_CONNECT") == "lazy"
     for r, rec in enumerate(records):
         limit, now, serves = rec.get("fds", (-1, 0, 0))
         if limit < 0:
             continue
         local = len(topology.local_ranks(r)) - 1
-        need = now + FDS_PER_LOCAL_PEER * local + FDS_PER_REMOTE_PEER * (size - 1 - local) + FD_SPARE
+        remote = 0 if lazy else size - 1 - local  # lazy: connections to the peers used, not known here
+        need = now + FDS_PER_LOCAL_PEER * local + FDS_PER_REMOTE_PEER * remote + FD_SPARE
         need += size if serves else 0  # the store keeps one connection per rank
         if need > limit:
             raise ConfigError(f"rank {r} needs about {need} open files to connect to its {size - 1} peers ({local} "
@@ -345,7 +347,8 @@ class Fabric:
         from .matching import GOODBYE_TAG
         from .wire import CollOp, Fingerprint
 
-        alive = [p for p in self.endpoints if p not in self.lost]
+        # connected ones only: with connections made on first use, a peer this rank never met waits for nothing
+        alive = [p for p, ep in self.endpoints.items() if p not in self.lost and getattr(ep, "connected", True)]
         if not alive:
             return
         if self.lost:

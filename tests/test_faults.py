@@ -52,6 +52,16 @@ def test_fault_trials_store_host_killed() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+def test_fault_trials_with_connections_on_first_use() -> None:
+    """HETCCL_CONNECT=lazy over TCP: 3 dead-peer trials and 1 stuck-rank trial; a peer connected in the middle
+    of a collective fails it the same way."""
+    proc = _script("fault_trials.py", "--connect", "lazy", "--transports", "tcp", "--trials", "3", "--stuck-trials",
+                   "1", timeout=180)
+    assert "tcp 3/3" in proc.stdout and "stuck: tcp 1/1" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
 def test_fuzz_control_short() -> None:
     """300 hostile connections per port (store, data) plus 150 malformed store requests against a live job:
     every one refused, the job's results stay correct, RSS bounded."""

@@ -110,6 +110,15 @@ def test_two_hosts_on_one_machine(transports):
 
 
 @pytest.mark.timeout(120)
+def test_connections_on_first_use():
+    """HETCCL_CONNECT=lazy (issue 32): 6 ranks, each its own host over TCP, connect only the peers their
+    collectives use (a ring all_reduce: its neighbours), and every collective and p2p still works."""
+    run_ranks(6, "workers:connects_on_first_use", env={"HETCCL_HOST": ",".join(f"h{r}" for r in range(6)),
+                                                       "HETCCL_TRANSPORTS": "tcp", "HETCCL_CONNECT": "lazy"},
+              timeout=110)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", [None, "64K"])
 def test_ring_chunk_is_the_slowest_transports(setting):
     """The ring chunk of a communicator grows from 1 MiB up to what its slowest transport declares (tcp 4 MiB

@@ -151,6 +151,27 @@ async def every_op(comm: hetccl.Communicator, hosts: list[str] | None = None, **
     await concurrent(comm, k=8)
 
 
+async def connects_on_first_use(comm: hetccl.Communicator) -> None:
+    """HETCCL_CONNECT=lazy, every peer over TCP: no data connection after init; a ring all_reduce connects each
+    rank to its two ring neighbours and to no one else; then every collective, p2p and collectives in flight
+    connect what they need and give right results."""
+    fab = comm._fabric
+    tcp = next(t for t in fab.transports if t.name == "tcp")
+    r, n = comm.rank, comm.size
+
+    def connected() -> set[int]:
+        return {p for p, ep in tcp._lazy.items() if ep.connected}
+
+    assert sorted(tcp._lazy) == [p for p in range(n) if p != r], sorted(tcp._lazy)
+    before = connected()
+    x = np.ones(1 << 20, np.float32)  # 4 MiB: the ring
+    await comm.all_reduce(x)
+    check(x, np.full(1 << 20, n, np.float32), "lazy ring all_reduce")
+    ring = {(r - 1) % n, (r + 1) % n}
+    assert connected() - before <= ring and ring <= connected(), (r, before, connected())
+    await every_op(comm, counts=[0, 1, 4099], dtypes=["float32", "int64"], ops=["sum", "max"])
+
+
 async def in_place_variants(comm: hetccl.Communicator) -> None:
     n, r = comm.size, comm.rank
     # all_gather in place: inp is this rank's slice of out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from ..auth import client_handshake, server_handshake
@@ -33,6 +34,8 @@ class PeerListener:
         self._accept_task: asyncio.Task | None = None
         self._incoming: dict[tuple[int, int], asyncio.Future] = {}
         self._handshakes: set[asyncio.Task] = set()
+        # told of every authenticated connection as it arrives (peer, lane): connections made on first use
+        self.arrived: Callable[[int, int], None] | None = None
 
     def start(self) -> int:
         """Bind to the transport context's address (or the abstract Unix name), start accepting; returns the
@@ -86,6 +89,8 @@ class PeerListener:
                 raise AuthenticationError(f"second connection claiming rank {peer}"
                                           + (f" lane {lane}" if lane else ""))
             fut.set_result(conn)
+            if self.arrived is not None:
+                self.arrived(peer, lane)
         except (AuthenticationError, HetcclError, OSError) as exc:
             self.refused += 1
             log.warning("hetccl %s: rank %d refused a connection from %s: %s", self.label, ctx.rank, addr, exc)

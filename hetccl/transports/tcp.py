@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ from .. import params
 from ..config import usable_cpus
 from ..dtypes import block_ranges
 from ..errors import CollectiveTimeout, HetcclError, PeerLostError
-from ..matching import DROP
+from ..matching import DROP, Matcher
 from ..netio import PUMP_STOPPED, Pump, pump_error, recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
 from .base import Endpoint, Transport, TransportContext, TransportProperties
@@ -28,6 +28,7 @@ from .listener import PeerListener, dial
 
 log = logging.getLogger("hetccl")
 LINGER_S = 2.0  # close: longest wait for the peer's FIN after ours
+OUT_GRACE_S = 1.0  # lazy: how long the end of a send-only connection waits for the peer's own connection to end
 
 
 def pump_bytes() -> int:
@@ -54,15 +55,19 @@ def _unsent(parts: list[Any], sent: int) -> bytes:
 
 class TcpEndpoint(Endpoint):
     def __init__(self, transport: TcpTransport, peer: int, sock: socket.socket, lanes: Sequence[socket.socket] = (),
-                 split_bytes: int = 0):
+                 split_bytes: int = 0, matcher: Matcher | None = None,
+                 lost: Callable[[BaseException], None] | None = None):
         """lanes: the pair's extra connections; a payload of at least split_bytes (agreed by both ranks) is cut
-        in len(lanes) + 1 contiguous parts, part 0 after the header on sock, part i alone on lanes[i - 1]."""
+        in len(lanes) + 1 contiguous parts, part 0 after the header on sock, part i alone on lanes[i - 1].
+        matcher: the peer's, where another endpoint shares it (LazyTcpEndpoint's two directions); lost: what
+        to do instead of failing the matcher and reporting the peer lost when the reader ends."""
         self.transport, self.peer, self.sock = transport, peer, sock
         self.socks = [sock, *lanes]
         self._split_min = split_bytes if lanes and split_bytes else 1 << 62
         self.loop = asyncio.get_running_loop()
         settings = transport.ctx.settings
-        self.matcher = transport.ctx.new_matcher(peer)  # the core's: frames are delivered to it
+        # the core's: frames are delivered to it
+        self.matcher = transport.ctx.new_matcher(peer) if matcher is None else matcher
         self.max_payload = 1 << 40  # one frame may carry a whole (huge) p2p or all_to_all buffer
         self.timeout = settings.timeout
         self._send_lock = asyncio.Lock()
@@ -72,6 +77,7 @@ class TcpEndpoint(Endpoint):
         self._pump_min = pump_bytes() or 1 << 62
         # [send, receive][connection]: made at their first large payload
         self._pumps: list[list[Pump | None]] = [[None] * len(self.socks), [None] * len(self.socks)]
+        self._lost = lost
         self._reader = self.loop.create_task(self._read_loop())
 
     async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
@@ -325,9 +331,16 @@ class TcpEndpoint(Endpoint):
             loop.call_soon(self._reader_failed, exc)
 
     def _reader_failed(self, exc: BaseException) -> None:
+        if self._lost is not None and not self._closed:
+            self._lost(exc)
+            return
         self.matcher.fail_all(exc)
         if not self._closed:
             self.transport.ctx.on_peer_lost(self.peer, exc)
+
+    @property
+    def reading(self) -> bool:
+        return not self._reader.done()
 
     async def close(self) -> None:
         """Finish a cut frame, send FIN, and read on until the peer's FIN (bounded) before closing: a socket
@@ -351,6 +364,103 @@ class TcpEndpoint(Endpoint):
         self._close_socks()
 
 
+class LazyTcpEndpoint(Endpoint):
+    """HETCCL_CONNECT=lazy: the connections to one peer, made on first use, one per direction. This rank dials
+    its own (`out`, which it sends on) the first time it sends to the peer or waits for it: a dead peer then
+    shows at once, as with connections made at init. The peer's own dial arrives through the listener
+    (`inbound`, whose reader delivers the peer's frames). Both share the peer's matcher, and each direction
+    keeps its frames in order on its one connection."""
+
+    def __init__(self, transport: TcpTransport, peer: int, record: dict[str, Any]):
+        self.transport, self.peer, self.record = transport, peer, record
+        self.matcher = transport.ctx.new_matcher(peer)
+        self.nlanes = min(transport._lanes, int(record.get("lanes", 1)))
+        self.split = max(transport._split, int(record.get("split", 0)))
+        self.out: TcpEndpoint | None = None
+        self.inbound: TcpEndpoint | None = None
+        self._dialing: asyncio.Task[TcpEndpoint] | None = None
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return self.out is not None or self.inbound is not None
+
+    def _dial(self) -> asyncio.Task[TcpEndpoint]:
+        if self._dialing is None:
+            self._dialing = asyncio.get_running_loop().create_task(self._dial_out())
+            self._dialing.add_done_callback(self._dialed)
+        return self._dialing
+
+    async def _dial_out(self) -> TcpEndpoint:
+        t = self.transport
+        got = await asyncio.gather(*(t._dial(self.peer, self.record, lane) for lane in range(self.nlanes)),
+                                   return_exceptions=True)
+        errors = [g for g in got if isinstance(g, BaseException)]
+        if errors or self._closed:
+            for g in got:
+                if isinstance(g, socket.socket):
+                    g.close()
+            raise errors[0] if errors else PeerLostError("communicator closed", self.peer)
+        self.out = TcpEndpoint(t, self.peer, got[0], got[1:], self.split, self.matcher, self._out_ended)
+        t._endpoints.append(self.out)
+        return self.out
+
+    def _dialed(self, task: asyncio.Task) -> None:
+        """A failed dial is the peer's loss (or its deadline), for every receive from it too."""
+        if task.cancelled() or task.exception() is None or self._closed:
+            return
+        exc = task.exception()
+        self.matcher.fail_all(exc)
+        if isinstance(exc, PeerLostError):
+            self.transport.ctx.on_peer_lost(self.peer, exc)
+
+    def _out_ended(self, exc: BaseException) -> None:
+        """The connection this rank sends on ended. The peer sends on the other one: a peer that leaves after a
+        loss sends its goodbye there, naming the rank that died, and only that connection keeps the goodbye
+        ahead of its end. So while it still reads, it reports; after OUT_GRACE_S this one does."""
+        def report() -> None:
+            if self._closed or self.matcher.error is not None:
+                return
+            self.matcher.fail_all(exc)
+            self.transport.ctx.on_peer_lost(self.peer, exc)
+
+        log.debug("hetccl tcp: rank %d: the connection it sends to rank %d on ended (%s); inbound %s", self.matcher.me,
+                  self.peer, exc, "reading" if self.inbound is not None and self.inbound.reading else self.inbound)
+        if self.inbound is not None and self.inbound.reading:
+            asyncio.get_running_loop().call_later(OUT_GRACE_S, report)
+        else:
+            report()
+
+    def attach(self, socks: list[socket.socket]) -> None:
+        """The peer's own connection(s), accepted by the listener."""
+        if self._closed:
+            for sk in socks:
+                sk.close()
+            return
+        self.inbound = TcpEndpoint(self.transport, self.peer, socks[0], socks[1:], self.split, self.matcher)
+        log.debug("hetccl tcp: rank %d: rank %d connected (lazy)", self.matcher.me, self.peer)
+        self.transport._endpoints.append(self.inbound)
+
+    async def send(self, fp: Fingerprint, tag: int, src: np.ndarray) -> None:
+        if self.matcher.error is not None:
+            raise self.matcher.error
+        out = self.out or await asyncio.shield(self._dial())
+        await out.send(fp, tag, src)
+
+    def post_recv(self, fp: Fingerprint, tag: int, dst: np.ndarray, reduce: Any = None) -> asyncio.Future:
+        if self.out is None and not self._closed:
+            self._dial()  # the peer's liveness, and its sends may start
+        return self.matcher.post(fp, tag, dst, reduce)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._dialing is not None and not self._dialing.done():
+            self._dialing.cancel()
+            with contextlib.suppress(BaseException):
+                await self._dialing
+        # the transport closes `out` and `inbound` with its other endpoints
+
+
 class TcpTransport(Transport):
     name = "tcp"
     api_version = 2
@@ -368,6 +478,7 @@ class TcpTransport(Transport):
             self._lanes = 1
         self._listener.lanes = self._lanes
         self._endpoints: list[TcpEndpoint] = []
+        self._lazy: dict[int, LazyTcpEndpoint] = {}  # HETCCL_CONNECT=lazy: every peer's, connected on first use
 
     async def listen(self) -> dict[str, Any]:
         rec: dict[str, Any] = {"host": self.ctx.bind_host, "port": self._listener.start()}
@@ -387,6 +498,12 @@ class TcpTransport(Transport):
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         me = self.ctx.rank
+        if params.get("HETCCL_CONNECT") == "lazy":
+            self._lazy = {p: LazyTcpEndpoint(self, p, r) for p, r in peers.items()}
+            self._listener.arrived = self._arrived
+            for p in self._lazy:  # dialled before this rank got here
+                self._arrived(p, 0)
+            return dict(self._lazy)
 
         async def conn(peer: int, record: dict[str, Any], lane: int) -> socket.socket:
             if peer < me:  # the higher rank dials
@@ -409,7 +526,17 @@ class TcpTransport(Transport):
         pairs = await asyncio.gather(*(one(p, r) for p, r in peers.items()))
         return dict(pairs)
 
+    def _arrived(self, peer: int, lane: int) -> None:
+        """Lazy: a connection from `peer` was accepted; once all its lanes are, they are its inbound endpoint."""
+        ep = self._lazy.get(peer)
+        if ep is None or ep.inbound is not None:
+            return
+        futs = [self._listener.incoming(peer, i) for i in range(ep.nlanes)]
+        if all(f.done() and not f.cancelled() for f in futs):
+            ep.attach([f.result() for f in futs])
+
     async def close(self) -> None:
         self._listener.close()
+        await asyncio.gather(*(ep.close() for ep in self._lazy.values()))
         await asyncio.gather(*(ep.close() for ep in self._endpoints))
         self._endpoints.clear()
