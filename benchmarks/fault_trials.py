@@ -67,12 +67,13 @@ def _start(job: Job, n: int, res: dict) -> tuple[str, set[int]] | None:
 
 
 def dead_peer_trial(transport: str, rng: random.Random, workdir: Path, ranks: int | None = None,
-                    victim: int | None = None, per_host: int = 0, victim_kind: str = "any") -> dict:
+                    victim: int | None = None, per_host: int = 0, victim_kind: str = "any",
+                    extra: dict[str, str] | None = None) -> dict:
     n = ranks if ranks is not None else rng.randint(2, 4)
     if victim is None:  # per_host: a host's first rank leads it (its island's leader, the shm group's first)
         pool = [r for r in range(n) if victim_kind == "any" or (r % per_host == 0) == (victim_kind == "leader")]
         victim = rng.choice(pool)
-    env = {"HETCCL_TRANSPORTS": TRANSPORTS[transport]}
+    env = {"HETCCL_TRANSPORTS": TRANSPORTS[transport], **(extra or {})}
     if per_host:  # hosts of per_host ranks each, as other machines (HETCCL_HOST): TCP between them
         env["HETCCL_HOST"] = ",".join(f"h{r // per_host}" for r in range(n))
     delay = round(rng.uniform(0.1, 2.0), 2)
@@ -139,14 +140,14 @@ def _judge(job: Job, ranks: list[int], t0: float, expect: tuple[str, int | None]
     return res
 
 
-def stuck_trial(transport: str, rng: random.Random, workdir: Path) -> dict:
+def stuck_trial(transport: str, rng: random.Random, workdir: Path, extra: dict[str, str] | None = None) -> dict:
     n = rng.randint(2, 4)
     stuck = rng.randrange(n)
     after = rng.randint(1, 6)
     res = {"kind": "stuck", "transport": transport, "n": n, "victim": stuck, "moment": f"iter {after}",
            "ok": False, "why": "", "detect": None, "exit": None}
     job = Job.spawn(n, "fault_ranks:loop_until_error", {"HETCCL_TRANSPORTS": TRANSPORTS[transport],
-                                                       "HETCCL_TIMEOUT": str(STUCK_TIMEOUT)}, workdir,
+                                                       "HETCCL_TIMEOUT": str(STUCK_TIMEOUT), **(extra or {})}, workdir,
                     count=COUNT, stuck_rank=stuck, stuck_after=after)
     try:
         started = _start(job, n, res)
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(HETCCL_HOST), the first of each its leader (default: one host)")
     ap.add_argument("--victim-kind", choices=("any", "leader", "member"), default="any",
                     help="with --per-host: kill a host's first rank, or another (default: any rank)")
+    ap.add_argument("--connect", choices=("eager", "lazy"), default="eager",
+                    help="HETCCL_CONNECT of the ranks (the jobs start with no other HETCCL_* of this environment)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="also write a markdown report here")
     ap.add_argument("--keep", action="store_true", help="keep every trial's rank output (failed ones always are)")
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = []
     for t in transports:
         plan += [("dead", t)] * args.trials + [("stuck", t)] * args.stuck_trials
-    lines = [f"# fault trials ({time.strftime('%Y-%m-%d %H:%M')}, seed {seed}, {platform.node()}, "
+    lines = [f"# fault trials ({time.strftime('%Y-%m-%d %H:%M')}, seed {seed}, HETCCL_CONNECT={args.connect}, "
+             f"{platform.node()}, "
              f"{os.cpu_count()} CPUs, python {platform.python_version()})", "",
              f"Dead peer: SIGKILL from the driver; pass = every survivor raises PeerLostError naming the dead rank "
              f"within {DETECT_LIMIT:.0f} s, exits 0 within {EXIT_LIMIT:.0f} s, nothing of the job left "
@@ -215,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for i, (kind, t) in enumerate(plan, 1):
         wd = base / f"{i:03d}-{kind}-{t}"
-        res = (dead_peer_trial(t, rng, wd, args.ranks, args.victim, args.per_host, args.victim_kind)
+        extra = {"HETCCL_CONNECT": args.connect}
+        res = (dead_peer_trial(t, rng, wd, args.ranks, args.victim, args.per_host, args.victim_kind, extra)
                if kind == "dead" else
-               stuck_trial(t, rng, wd))
+               stuck_trial(t, rng, wd, extra))
         results.append(res)
         if res["ok"] and not args.keep:
             shutil.rmtree(wd, ignore_errors=True)
