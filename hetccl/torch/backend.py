@@ -605,15 +605,18 @@ class HetcclBackend(dist.ProcessGroup):
             if exc is not None and self.broken is None:
                 self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
 
+        def give_up() -> None:  # the host side will never run: let the stream go
+            self._kinds.leave("ordered")
+            planned.host_side.close()
+            planned.abandon()
+
         def submit() -> Any:
             self._submitted += 1
             try:
                 cf = self._comm.submit(planned.host_side)
             except BaseException:
                 self._finished += 1
-                self._kinds.leave("ordered")
-                planned.host_side.close()
-                planned.abandon()
+                give_up()
                 raise
             cf.add_done_callback(done)
             return cf
@@ -626,11 +629,10 @@ class HetcclBackend(dist.ProcessGroup):
             if self.broken is None:
                 self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
             if cf is None:
-                self._kinds.leave("ordered")
-                planned.host_side.close()
+                give_up()
             else:
                 cf.cancel()
-            planned.abandon()
+                planned.abandon()
             raise
         try:
             if after is not None:

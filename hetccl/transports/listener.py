@@ -61,6 +61,10 @@ class PeerListener:
             fut = self._incoming[peer, lane] = asyncio.get_running_loop().create_future()
         return fut
 
+    def peers(self) -> set[int]:
+        """The peers whose connection was accepted or is awaited."""
+        return {peer for peer, _ in self._incoming}
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._sock is not None

@@ -374,8 +374,7 @@ class LazyTcpEndpoint(Endpoint):
     def __init__(self, transport: TcpTransport, peer: int, record: dict[str, Any]):
         self.transport, self.peer, self.record = transport, peer, record
         self.matcher = transport.ctx.new_matcher(peer)
-        self.nlanes = min(transport._lanes, int(record.get("lanes", 1)))
-        self.split = max(transport._split, int(record.get("split", 0)))
+        self.nlanes, self.split = transport.pair_shape(record)
         self.out: TcpEndpoint | None = None
         self.inbound: TcpEndpoint | None = None
         self._dialing: asyncio.Task[TcpEndpoint] | None = None
@@ -493,6 +492,10 @@ class TcpTransport(Transport):
     def can_reach(self, peer: int, peer_record: dict[str, Any], same_host: bool) -> bool:
         return "port" in peer_record
 
+    def pair_shape(self, record: dict[str, Any]) -> tuple[int, int]:
+        """(connections, split size) of the pair with the peer of `record`: the fewer lanes, the larger split."""
+        return min(self._lanes, int(record.get("lanes", 1))), max(self._split, int(record.get("split", 0)))
+
     async def _dial(self, peer: int, record: dict[str, Any], lane: int = 0) -> socket.socket:
         return await dial(self.ctx, peer, record, "data", "tcp", lane=lane)
 
@@ -501,7 +504,7 @@ class TcpTransport(Transport):
         if params.get("HETCCL_CONNECT") == "lazy":
             self._lazy = {p: LazyTcpEndpoint(self, p, r) for p, r in peers.items()}
             self._listener.arrived = self._arrived
-            for p in self._lazy:  # dialled before this rank got here
+            for p in self._listener.peers():  # dialled before this rank got here
                 self._arrived(p, 0)
             return dict(self._lazy)
 
@@ -516,8 +519,7 @@ class TcpTransport(Transport):
                                         f"{self.ctx.settings.timeout:.0f} s") from None
 
         async def one(peer: int, record: dict[str, Any]) -> tuple[int, TcpEndpoint]:
-            nlanes = min(self._lanes, int(record.get("lanes", 1)))
-            split = max(self._split, int(record.get("split", 0)))
+            nlanes, split = self.pair_shape(record)
             socks = list(await asyncio.gather(*(conn(peer, record, lane) for lane in range(nlanes))))
             ep = TcpEndpoint(self, peer, socks[0], socks[1:], split)
             self._endpoints.append(ep)
