@@ -2,9 +2,9 @@
 
 Rank 0 hosts it unless an address is given. Every connection passes the HMAC handshake first; a stranger
 is refused and logged and the store goes on serving the job. Requests: set, get (waits until the key
-exists, with a deadline), add (atomic counter), check, and gather (the values of keys prefix/0 .. prefix/n-1 in
-one answer, once a key says they are all there: the bootstrap's records in one round trip per rank). Values are
-msgpack-able objects.
+exists, with a deadline), add (atomic counter), check, gather (the values of keys prefix/0 .. prefix/n-1 in
+one answer, once a key says they are all there: the bootstrap's records in one round trip per rank), delete, and
+prune (every key under a prefix: a closed job's keys, Fabric.close). Values are msgpack-able objects.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from .auth import client_handshake, server_handshake
-from .errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError, ProtocolError
+from .errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError, ProtocolError
 from .netio import read_control, tune_socket, write_control
 
 log = logging.getLogger("hetccl")
@@ -31,7 +31,10 @@ class StoreServer:
         self.host, self.port, self.secret = host, port, secret
         self.handshake_timeout = handshake_timeout
         self.data: dict[str, Any] = {}
+        # the Event of each key a get or gather waits for now, and how many wait: an Event lives only while
+        # someone waits (set and add wake it, they do not make one), so the dict never outgrows the waiters
         self.events: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}
         self.refused = 0
         self.served = 0  # requests answered: the bootstrap makes O(1) per rank (tests, benchmarks)
         self._sock: socket.socket | None = None
@@ -93,16 +96,29 @@ class StoreServer:
 
     async def _wait_for(self, key: str, timeout: float) -> bool:
         """Until `key` exists (True), or the timeout (False)."""
+        if key in self.data:
+            return True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(timeout, 86400.0))
-        while key not in self.data:  # a delete may race with the set that woke us: look again
-            ev = self._event(key)
-            ev.clear()
-            try:
-                await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                return False
-        return True
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            while key not in self.data:  # a delete may race with the set that woke us: look again
+                ev = self.events.get(key)
+                if ev is None:
+                    ev = self.events[key] = asyncio.Event()
+                ev.clear()
+                try:
+                    await asyncio.wait_for(ev.wait(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return False
+            return True
+        finally:
+            left = self._waiting[key] - 1
+            if left:
+                self._waiting[key] = left
+            else:  # the last waiter of this key is gone: so is its Event
+                del self._waiting[key]
+                self.events.pop(key, None)
 
     async def _gather(self, prefix: str, count: Any, after: Any, timeout: float) -> dict[str, Any]:
         """The values of prefix/0 .. prefix/count-1 once key `after` exists (one wake-up per waiter, where
@@ -117,11 +133,25 @@ class StoreServer:
             return {"err": f"gather: {after!r} is set but {len(missing)} of the {count} keys are missing"}
         return {"values": [self.data[k] for k in keys]}
 
-    def _event(self, key: str) -> asyncio.Event:
+    def _wake(self, key: str) -> None:
         ev = self.events.get(key)
-        if ev is None:
-            ev = self.events[key] = asyncio.Event()
-        return ev
+        if ev is not None:
+            ev.set()
+
+    def prune(self, prefix: str) -> int:
+        """Drop every key equal to `prefix` or under `prefix/` (pruning `job` keeps `jobX`); returns how many
+        went. A get or gather waiting on such a key keeps waiting, until a later set or its own deadline, as
+        after a delete: its Event stays while it waits and goes with its last waiter (_wait_for), so no Event
+        is left to drop here. Waking it would change nothing (the key is still missing: it would wait again),
+        and nobody waits on the keys of a job whose ranks have all closed."""
+        if not isinstance(prefix, str) or not prefix:
+            raise ConfigError(f"store prune takes a non-empty prefix (got {prefix!r}): an empty one would drop "
+                              "every job's keys")
+        under = prefix + "/"
+        doomed = [k for k in self.data if k == prefix or k.startswith(under)]
+        for k in doomed:
+            del self.data[k]
+        return len(doomed)
 
     async def _handle(self, req: dict[str, Any]) -> dict[str, Any]:
         cmd, key = req.get("cmd"), req.get("key")
@@ -129,7 +159,7 @@ class StoreServer:
             return {"err": "key must be a string"}
         if cmd == "set":
             self.data[key] = req.get("value")
-            self._event(key).set()
+            self._wake(key)
             return {"ok": True}
         if cmd in ("get", "gather"):
             timeout = req.get("timeout", 0) or 0
@@ -150,13 +180,17 @@ class StoreServer:
             if not -(1 << 63) <= cur + delta < 1 << 63:  # msgpack could not send it back: refuse, keep the key
                 return {"err": f"add on {key!r} would leave the 64-bit range"}
             self.data[key] = cur + delta
-            self._event(key).set()
+            self._wake(key)
             return {"value": cur + delta}
         if cmd == "check":
             return {"value": key in self.data}
         if cmd == "delete":
-            self.data.pop(key, None)  # the key's Event stays: a waiting get keeps waiting on it
+            self.data.pop(key, None)  # a waiting get keeps waiting (its Event stays while it waits)
             return {"ok": True}
+        if cmd == "prune":
+            if not key:
+                return {"err": "prune takes a non-empty prefix (an empty one would drop every job's keys)"}
+            return {"value": self.prune(key)}
         if cmd == "ping":
             return {"ok": True}
         if cmd == "time":  # the store host's monotonic clock: trace clock offsets (observe/trace.py)
@@ -281,6 +315,10 @@ class StoreClient:
 
     async def delete(self, key: str) -> None:
         await self._request({"cmd": "delete", "key": key})
+
+    async def prune(self, prefix: str) -> int:
+        """Drop every key equal to `prefix` or under `prefix/` (StoreServer.prune); returns how many went."""
+        return int((await self._request({"cmd": "prune", "key": prefix}))["value"])
 
     def close(self) -> None:
         if self._sock is not None:

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from hetccl.auth import HANDSHAKE_MAX_BYTES, NONCE_BYTES, PROTOCOL, client_handshake, server_handshake
-from hetccl.errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
+from hetccl.errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError
 from hetccl.netio import read_control, write_control
 from hetccl.store import StoreClient, StoreServer
 from hetccl.wire import CONTROL_LEN, control_length, decode_control_body, encode_control
@@ -229,6 +229,45 @@ async def test_get_woken_by_set_then_delete_keeps_connection(server: StoreServer
     except CollectiveTimeout:
         pass  # also acceptable: the key vanished again before the waiter looked
     await waiter.set("after", 1)  # the waiter's connection must survive either way
+
+
+async def test_prune_drops_the_prefix_and_its_keys_only(server: StoreServer, clients: Callable) -> None:
+    """prune("job") drops `job` and `job/...`, not `jobX`, `jo` or a key that merely contains `job/`; refuses an
+    empty or non-string prefix; an Event lives only while someone waits."""
+    c = await clients(server)
+    for k in ("job", "job/rank/0", "job/closed", "job/vendor/7/0", "jobX", "jobX/rank/0", "jo", "other/job/x"):
+        await c.set(k, 1)
+    assert not server.events  # set makes no Event: only a waiter does
+    assert await c.prune("job") == 4
+    assert sorted(server.data) == ["jo", "jobX", "jobX/rank/0", "other/job/x"]
+    assert await c.prune("job") == 0  # nothing left under it: not an error
+    with pytest.raises(HetcclError, match="non-empty prefix"):
+        await c.prune("")
+    with pytest.raises(HetcclError, match="key must be a string"):
+        await c._request({"cmd": "prune", "key": None})
+    with pytest.raises(ConfigError, match="non-empty prefix"):
+        server.prune("")
+    assert len(server.data) == 4  # refused requests dropped nothing
+
+
+async def test_get_waiting_on_a_pruned_key_waits_on(server: StoreServer, clients: Callable) -> None:
+    """A get waiting on a key whose prefix is pruned keeps waiting (as after a delete): a later set answers it,
+    else its own deadline does; its Event goes with its last waiter."""
+    waiter = await clients(server, rank=1)
+    short = await clients(server, rank=2)
+    other = await clients(server, rank=0)
+    answered = asyncio.ensure_future(waiter.get("job/late", timeout=5))
+    timed_out = asyncio.ensure_future(short.get("job/never", timeout=0.3))
+    await eventually(lambda: {"job/late", "job/never"} <= set(server.events))
+    await other.set("job/rank/0", 1)
+    assert await other.prune("job") == 1
+    assert {"job/late", "job/never"} <= set(server.events)  # kept: each has a waiter
+    with pytest.raises(CollectiveTimeout, match="job/never"):
+        await timed_out
+    assert not answered.done()
+    await other.set("job/late", "set again")
+    assert await asyncio.wait_for(answered, 5) == "set again"
+    assert not server.events  # neither waiter left its Event behind
 
 
 async def test_client_closed_raises(server: StoreServer, clients: Callable) -> None:
