@@ -185,6 +185,9 @@ class Fabric:
         self.host_name = settings.host  # HETCCL_HOST
         self.topology = Topology([host_identity(self.host_name)])
         self.job = ""
+        # no rank of this job hosts the store (HETCCL_STORE_EXTERNAL): it outlives the job, so the last rank to
+        # close drops the job's keys there (a store a rank hosts goes with that rank, which drops them itself)
+        self.store_external = False
         self.closed = False
         self.lost: dict[int, BaseException] = {}
         # communicator id -> the mismatch that made it unusable (its ranks no longer agree on the sequence)
@@ -260,6 +263,7 @@ class Fabric:
                 "agree": params.agreed(s), "fds": fd_state(self.server is not None)}
         await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._gather_records(mine)
+        self.store_external = not any(rec.get("fds", (-1, 0, 0))[2] for rec in self.records)  # nobody serves it
         read = await self.store.add(f"{self.job}/records-read", 1)
         topology = Topology([rec["host"] for rec in self.records],
                             [rec.get("machine", rec["host"]) for rec in self.records])
@@ -587,11 +591,15 @@ class Fabric:
         self.closed = True
         if self.size > 1 and self.endpoints:
             await self._goodbye()
+        wait = min(10.0, self.settings.timeout, barrier_s if barrier_s is not None else 10.0)
         if graceful and self.store is not None and self.size > 1:
             # nobody tears down connections while a peer may still be reading from them (a TCP close with
             # unread data sends RST, which can destroy the peer's last frames): a bounded closing barrier
-            wait = min(10.0, self.settings.timeout, barrier_s if barrier_s is not None else 10.0)
             await self._closing_barrier(wait)
+        elif graceful and self.store is not None and self.store_external:  # one rank: nobody else to wait for
+            with contextlib.suppress(HetcclError, OSError, TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self.store.prune(self.job)
         observe.on_close(self)
         for t in self.transports:
             with contextlib.suppress(Exception):
@@ -599,20 +607,28 @@ class Fabric:
         if self.store is not None:
             self.store.close()
         if self.server is not None:
+            # the store stops here, the job's keys first (every rank has closed, or the barrier's bound passed):
+            # no other rank prunes a store a rank hosts, so the host's wait never polls a pruned count
+            if self.job:
+                self.server.prune(self.job)
             await self.server.close()
 
     async def _closing_barrier(self, wait: float) -> None:
         """Every rank's arrival at the closing count, then (rank 0) every rank's at the closed count, within
         `wait` s; 1 s once a peer is known lost, also when the loss is seen during the barrier (a peer that died
-        as this rank began to close never arrives: its survivors must not wait out the whole timeout)."""
+        as this rank began to close never arrives: its survivors must not wait out the whole timeout). On an
+        external store the rank whose arrival completes the closed count drops the job's keys; a store a rank
+        hosts is pruned by that rank after its wait (Fabric.close), so the host never polls a pruned count."""
         assert self.store is not None
         store = self.store
 
         async def keys() -> None:  # counters: O(1) requests per rank
             await store.arrive(f"{self.job}/closing", self.size, timeout=wait)
-            await store.add(f"{self.job}/closed", 1)
+            closed = await store.add(f"{self.job}/closed", 1)
             if self.server is not None:
                 await self._wait_all_closed(wait)
+            elif closed == self.size and self.store_external:  # every rank is past its last store request
+                await store.prune(self.job)
 
         loop = asyncio.get_running_loop()
         body = asyncio.ensure_future(keys())

@@ -792,3 +792,32 @@ async def store_requests(comm: hetccl.Communicator, per_rank: int) -> None:
         served = comm._fabric.server.served
         assert served <= per_rank * comm.size, f"the store served {served} requests for {comm.size} ranks"
         print(f"store requests: {served} for {comm.size} ranks", flush=True)
+
+
+async def keys_pruned_on_close(comm: hetccl.Communicator, splits: int, close_under_s: float) -> None:
+    """Create and close `splits` splits, close the world: every rank closes within `close_under_s` (a wait on a
+    pruned key would take the closing barrier's whole bound, 10 s), and the store host, where this rank hosts it,
+    keeps none of the job's keys. Prints each rank's close time and store size."""
+    fab = comm._fabric
+    server = fab.server
+    for i in range(splits):
+        sub = await comm.split(comm.rank % 2, key=i)
+        assert sub is not None
+        buf = np.ones(4, np.float32)
+        await sub.all_reduce(buf)
+        check(buf, np.full(4, sub.size, np.float32), f"split {i}")
+        if sub.rank == 0:  # what a GPU island's split leaves in the store (its vendor id, gpu/dispatch.py)
+            await fab.store.set(f"{fab.job}/vendor/{sub.comm_id}/0", b"vendor unique id")
+        await sub.close()
+    await comm.barrier()
+    held = len(server.data) if server is not None else -1
+    t0 = time.monotonic()
+    await comm.close()
+    took = time.monotonic() - t0
+    print(f"rank {comm.rank} closed in {took:.3f} s", flush=True)
+    assert took < close_under_s, f"rank {comm.rank}: close took {took:.2f} s"
+    if server is not None:
+        left = sorted(k for k in server.data if k == fab.job or k.startswith(f"{fab.job}/"))
+        assert not left, f"the store host kept {len(left)} keys of the closed job: {left[:8]}"
+        assert not server.events, f"the store host kept Events: {sorted(server.events)[:8]}"
+        print(f"store keys before close {held}, after {len(server.data)}", flush=True)
