@@ -49,6 +49,24 @@ class SlowPerSample(torch.nn.Module):
         return x
 
 
+class SlowData(torch.utils.data.Dataset):
+    """`inner`, whose batches take c * batch seconds to load: a rank slowed outside its model (a host-bound
+    rank's data gather), which the balancer must see too."""
+
+    def __init__(self, inner: TensorDataset, c: float):
+        self.inner, self.c = inner, c
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.inner[i]
+
+    def __getitems__(self, idx: list[int]) -> list[Any]:
+        time.sleep(self.c * len(idx))
+        return [self.inner[i] for i in idx]
+
+
 def _reference(ds: TensorDataset, steps: int, batch: int = B) -> list[torch.Tensor]:
     """One process over the same global batches (seed 0, as _train's sampler)."""
     model = _model()
@@ -175,14 +193,15 @@ def _errors(n: int) -> None:
 
 
 def case_auto(kind: str, out: str) -> None:
-    """auto shares on two ranks: rank 1 three times slower per sample; at batch 40 rank 0 becomes five times
-    slower. The shares follow, and the replicas still equal the single-process run."""
+    """auto shares on two ranks: rank 1 three times slower per sample (DDP: in its data loading; FSDP2: in its
+    forward); at batch 40 rank 0 becomes five times slower. The shares follow, and the replicas still equal the
+    single-process run."""
     dist.init_process_group("hetccl")
     r = dist.get_rank()
     batch = 64
     ds = _data(batch * 64)
     want = _reference(ds, 70, batch)
-    slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 else 1))
+    slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 and kind != "ddp" else 1))
     model = torch.nn.Sequential(slow, *_model())
     if kind == "ddp":
         model = DDP(model)
@@ -194,7 +213,7 @@ def case_auto(kind: str, out: str) -> None:
         if k == 40 and r == 0:
             slow.c = 0.0005
 
-    _train(model, bal, ds, 70, slow=drift)
+    _train(model, bal, SlowData(ds, 0.0002) if r == 1 and kind == "ddp" else ds, 70, slow=drift)
     _close(_params(model), want, 1e-5, f"auto {kind}")
     with open(f"{out}.{r}", "w") as f:
         json.dump({"history": bal.history, "shares": bal.shares}, f)

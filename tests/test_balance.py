@@ -50,9 +50,10 @@ def test_uneven_shares_train_as_one_process(n: int, islands: str | None) -> None
 @pytest.mark.parametrize("kind,env", [("ddp", {"TEST_HETCCL_ISLAND": "cpu-0,cpu-1"}),
                                       ("fsdp2", {"TEST_HETCCL_HOST": "a,b"})])
 def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[str, str]) -> None:
-    """Rank 1 three times slower per sample, then from batch 40 rank 0 five times slower (a deliberately
-    slowed rank): calibration gives the fast rank about 3/4 of the batch, the drift moves it back, and the
-    replicas still equal one process."""
+    """Rank 1 three times slower per sample (DDP: in its data loading, outside the model, as a host-bound GPU
+    rank's gather; FSDP2: in its forward), then from batch 40 rank 0 five times slower (a deliberately slowed
+    rank): calibration gives the fast rank about 3/4 of the batch, the drift moves it back, and the replicas
+    still equal one process."""
     out = tmp_path / "auto"
     if kind == "ddp":  # the decisions in the trace too
         env = {**env, "HETCCL_TRACE": str(tmp_path / "trace.json")}

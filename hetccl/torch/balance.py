@@ -17,11 +17,12 @@ Weighting: `attach` scales the gradient that flows back into the model's outputs
 average that DDP (any reducer or comm hook) or FSDP2 takes over W ranks is the global mean. A rank with a share of
 0 runs its step on an empty batch, and so still takes part in every collective.
 
-Auto shares: the first steps run the equal split, then a probe of uneven shares; each rank times its forward
-compute at both sizes (the waits of FSDP2's all_gathers excluded), fits cost = a_i + c_i b, and rank 0 picks the
-integer shares that minimise the slowest rank's predicted step under each rank's cap, then broadcasts them. Every
-`check_every` steps it looks again, and re-balances when a rank's step drifted by more than `drift`. The
-forward's time stands for the step's compute (backward costs about twice it on any device). The decisions
+Auto shares: the first steps run the equal split, then a probe of uneven shares; each rank times its own part
+of the step at both sizes (from the batch handed out, through the data's loading, the forward and the backward,
+to the gradients' last wait: its waits for the other ranks left out, _StepTimer), fits cost = a_i + c_i b, and
+rank 0 picks the integer shares that minimise the slowest rank's predicted step under each rank's cap, then
+broadcasts them. Every `check_every` steps it looks again, and re-balances when a rank's step drifted by more
+than `drift`. The decisions
 happen in the sampler, at the same batch on every rank, so they need the sampler to be iterated in the training
 loop's order (DataLoader workers and prefetching are fine).
 """
@@ -125,24 +126,51 @@ def _fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     return max(0.0, mt - c * mb), c
 
 
-class _ComputeTimer:
-    """The forward's compute on this rank: wall time on the CPU, CUDA events on the GPU, summed over segments
-    that leave out what FSDP2's own hooks wait for (each fully_shard module's all_gather). Hands on
-    (batch size, seconds) per training forward; `size()` says the size when the forward ends."""
+class _Step:
+    """One training step's stamps (floats on the CPU, CUDA events on the GPU)."""
+
+    __slots__ = ("size", "data", "forward", "backward", "marked")
+
+    def __init__(self, data: tuple[Any, Any] | None, forward: list[tuple[Any, Any]]):
+        self.size = 0
+        self.data, self.forward = data, forward
+        self.backward: tuple[Any, Any] | None = None
+        self.marked = False  # the backward's end is awaited
+
+    def last(self) -> Any:
+        return (self.backward or (self.forward or [self.data])[-1])[1]
+
+
+class _StepTimer:
+    """This rank's own part of each training step, without its waits for the other ranks: from the moment the
+    sampler hands out the batch (the data's gather, collation and copy in) through the forward to the end of
+    the backward's compute, before the gradients' last wait (an autograd callback queued at the backward's
+    start runs before the one of DDP's finalize). Wall time on the CPU; CUDA events on the GPU, so that a rank
+    whose stream waited for a peer (the previous step's collectives) counts only what its stream then still had
+    to do, and a host-bound rank (launches, the data's gather) counts the time its GPU waited for the host.
+    Left out: the data's time where the loader prefetches (more than one batch handed out ahead of the forward:
+    workers load it meanwhile), and FSDP2's all_gather waits in the forward (segments around each fully_shard
+    module's own hooks). With FSDP2 the backward, which waits for all_gathers too, counts as twice the forward.
+    Hands on (batch size, seconds) per training step; `size()` says the size when the forward ends."""
+
+    BACKWARD_PER_FORWARD = 2.0  # where the backward is not timed (FSDP2, or none ran): twice the forward
 
     def __init__(self, root: torch.nn.Module, size: Callable[[], int], on_done: Callable[[int, float], None]):
         self.size, self.on_done = size, on_done
         self.cuda = any(p.is_cuda for p in root.parameters())
         self.active = False  # a training forward of root is running
         self.depth = 0
-        self.open: Any = None  # the start of the running segment
-        self.segments: list[tuple[Any, Any]] = []
-        self.pending: deque[tuple[int, list[tuple[Any, Any]]]] = deque()  # CUDA: read once the events are done
+        self.open: Any = None  # the start of the running forward segment
+        self.step: _Step | None = None  # the step being timed
+        self.handed: deque[Any] = deque()  # a stamp per batch the sampler handed out, not yet trained on
+        self.pending: deque[_Step] = deque()  # CUDA: read once their events are done
+        self.stream: Any = None  # the forward's stream (CUDA): every stamp of a step on it
         try:
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # pragma: no cover - torch without FSDP2
             FSDPModule = ()  # noqa: N806
         inner = [m for m in root.modules() if m is not root and isinstance(m, FSDPModule)]
+        self.time_backward = not inner and not isinstance(root, FSDPModule)
         for m in [root, *inner]:
             # a prepended hook runs before FSDP2's (which is prepended too, earlier), an appended one after it
             m.register_forward_pre_hook(self._pause, prepend=True)
@@ -153,18 +181,32 @@ class _ComputeTimer:
     def _stamp(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(self.stream)
             return ev
         return time.perf_counter()
+
+    def handed_out(self) -> None:
+        """The sampler handed out a batch (on the training loop's thread, where the loader has no workers)."""
+        if self.cuda:
+            self.stream = torch.cuda.current_stream()
+        self.handed.append(self._stamp())
 
     def _enter(self, module: torch.nn.Module, *_: Any) -> None:
         self.depth += 1
         if self.depth == 1 and module.training and torch.is_grad_enabled():
-            self.active, self.segments, self.open = True, [], self._stamp()
+            self._finish()  # the last step, if its backward never ran
+            if self.cuda:
+                self.stream = torch.cuda.current_stream()
+            self.active, self.open = True, self._stamp()
+            # one batch handed out and not trained on is this one, loaded since; more were prefetched
+            handed = self.handed.popleft() if len(self.handed) == 1 else None
+            if self.handed:
+                self.handed.popleft()
+            self.step = _Step(None if handed is None else (handed, self.open), [])
 
     def _pause(self, *_: Any) -> None:
-        if self.open is not None:
-            self.segments.append((self.open, self._stamp()))
+        if self.open is not None and self.step is not None:
+            self.step.forward.append((self.open, self._stamp()))
             self.open = None
 
     def _resume(self, *_: Any) -> None:
@@ -177,16 +219,61 @@ class _ComputeTimer:
             return
         self._pause()
         self.active = False
+        assert self.step is not None
+        self.step.size = self.size()
+        if not self.time_backward:
+            self._finish()
+
+    def backward_started(self) -> None:
+        """The loss's gradient reached the model's outputs (_BackwardMark): stamp the backward's end."""
+        if self.time_backward and self.step is not None and not self.step.marked and not self.active:
+            self.step.marked = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        step = self.step
+        if step is not None and step.marked and step.forward:
+            step.backward = (step.forward[-1][1], self._stamp())
+            self._finish()
+
+    def _finish(self) -> None:
+        """Hand the step on (CUDA: once its events are done)."""
+        step, self.step = self.step, None
+        if step is None or not step.forward:
+            return
         if self.cuda:
-            self.pending.append((self.size(), self.segments))
+            self.pending.append(step)
         else:
-            self.on_done(self.size(), sum(b - a for a, b in self.segments))
+            self.on_done(step.size, self._seconds(step))
+
+    def _seconds(self, step: _Step) -> float:
+        def span(seg: tuple[Any, Any]) -> float:
+            return seg[0].elapsed_time(seg[1]) / 1e3 if self.cuda else seg[1] - seg[0]
+
+        forward = sum(span(s) for s in step.forward)
+        backward = span(step.backward) if step.backward else self.BACKWARD_PER_FORWARD * forward
+        return (span(step.data) if step.data else 0.0) + forward + backward
 
     def collect(self) -> None:
-        """CUDA: hand on the forwards whose events have completed."""
-        while self.pending and self.pending[0][1][-1][1].query():
-            b, segs = self.pending.popleft()
-            self.on_done(b, sum(a.elapsed_time(e) for a, e in segs) / 1e3)
+        """CUDA: hand on the steps whose events have completed."""
+        while self.pending and self.pending[0].last().query():
+            step = self.pending.popleft()
+            self.on_done(step.size, self._seconds(step))
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity forward; its backward, the first node the loss's gradient reaches, tells the timer that the
+    backward runs (the timer then queues a callback for the backward's end)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, timer: _StepTimer) -> torch.Tensor:  # type: ignore[override]
+        ctx.timer = timer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        ctx.timer.backward_started()
+        return g, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -249,7 +336,7 @@ class Balancer:
         self._last_check = 0
         self.caps = [self.cap] * self.world
         self._before_probe = list(self.shares)
-        self._timer: _ComputeTimer | None = None
+        self._timer: _StepTimer | None = None
         self._seen = 0  # forwards timed (the first `warmup` are not recorded)
         self._last = (self.shares[self.rank], global_batch)  # (share, batch total) of the last training forward
         if self.mode == "auto":
@@ -424,13 +511,13 @@ class Balancer:
     # ---- the model side ----------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> Balancer:
         """Weight the gradients of `model` (a DDP module, a fully_shard module or a plain one) by this rank's
-        share, and time its forwards for auto mode. One training forward per batch of the sampler."""
+        share, and time its steps for auto mode. One training forward per batch of the sampler."""
         if self.attached:
             raise ConfigError("balance: attach() was called twice; the gradients would be weighted twice")
         root = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         root.register_forward_hook(self._weigh)  # before the timer's last hook: the size is known when it ends
         if self.mode == "auto":
-            self._timer = _ComputeTimer(root, lambda: self._last[0], self._record)
+            self._timer = _StepTimer(root, lambda: self._last[0], self._record)
         self.attached = True
         return self
 
@@ -446,10 +533,17 @@ class Balancer:
         self._last = self._issued.popleft() if self._issued else (self.shares[self.rank], self.global_batch)
         b, total = self._last
         w = b * self.world / total
-        if w == 1.0:
+        timer = self._timer if self._timer is not None and self._timer.time_backward else None
+        if w == 1.0 and timer is None:
             return None
-        return tree_map_only(torch.Tensor, lambda t: _ScaleGrad.apply(t, w)
-                             if t.requires_grad and t.is_floating_point() else t, output)
+
+        def wrap(t: torch.Tensor) -> torch.Tensor:
+            if not (t.requires_grad and t.is_floating_point()):
+                return t
+            if w != 1.0:
+                t = _ScaleGrad.apply(t, w)
+            return t if timer is None else _BackwardMark.apply(t, timer)  # outermost: the backward's first node
+        return tree_map_only(torch.Tensor, wrap, output)
 
     def mean(self, value: torch.Tensor | float) -> torch.Tensor:
         """The global-batch mean of a per-rank mean (a loss, an accuracy) of the batch this rank last trained
@@ -511,6 +605,8 @@ class BatchSampler(Sampler[list[int]]):
         for batch in self.global_batches():
             shares = bal.next_shares(len(batch))
             lo = sum(shares[:bal.rank])
+            if bal._timer is not None:  # after next_shares: a decision's collectives are not this batch's time
+                bal._timer.handed_out()
             yield batch[lo:lo + shares[bal.rank]]
 
     def collate(self, inner: Callable[[list[Any]], Any] = default_collate) -> Callable[[list[Any]], Any]:
