@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -66,9 +67,11 @@ def main() -> None:
                     "over time and why), named <rep>-<run>.json")
     ap.add_argument("--gpu", action="store_true", help="rank 0 on the GPU, rank 1 on the CPU (the GPU machine): "
                     "the islands' own speeds, no slowed rank")
+    ap.add_argument("--example-args", default="", help="more arguments for every job of the example, e.g. "
+                    "'--width 1024 --global-batch 16384' (a model whose step is compute, not communication)")
     args = ap.parse_args()
     f = str(args.slow_factor)
-    common = ["--steps", str(args.steps)]
+    common = ["--steps", str(args.steps), *shlex.split(args.example_args)]
     pinned = ["--cpus", args.cpus] if args.cpus else []
     first, second = (["--cpus", c] for c in args.cpus.split("/")) if args.cpus else ([], [])
     gpu = ["--gpu-ranks", "0"]
@@ -87,7 +90,8 @@ def main() -> None:
         "equal speeds: plain DDP": (2, [*common, *pinned, "--shares", "plain"]),
         "equal speeds: equal split": (2, [*common, *pinned, "--shares", "equal"]),
         "equal speeds: auto": (2, [*common, *pinned, "--shares", "auto"]),
-        "drift": (2, [*pinned, "--steps", str(args.drift_steps), "--shares", "auto", "--slow-rank", "1",
+        "drift": (2, [*pinned, *shlex.split(args.example_args), "--steps", str(args.drift_steps), "--shares",
+                      "auto", "--slow-rank", "1",
                       "--slow-factor", f, "--drift-at", str(args.drift_at)]),
     }
     got: dict[str, list[dict]] = {k: [] for k in jobs}
