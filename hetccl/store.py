@@ -19,7 +19,8 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError, ProtocolError
-from .netio import read_control, tune_socket, write_control
+from .netio import read_control, send_all, tune_socket, write_control
+from .wire import encode_control
 
 log = logging.getLogger("hetccl")
 
@@ -37,6 +38,10 @@ class StoreServer:
         self._waiting: dict[str, int] = {}
         self.refused = 0
         self.served = 0  # requests answered: the bootstrap makes O(1) per rank (tests, benchmarks)
+        # values sent in gather answers, and bytes in all answers: the bootstrap's records reach the ranks through
+        # a tree (bootstrap.py), so the store sends about one job's worth of records, not one per rank (tests)
+        self.gathered = 0
+        self.bytes_served = 0
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -88,7 +93,11 @@ class StoreServer:
                     reply = await self._handle(req)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not drop the connection
                     reply = {"err": f"store request failed: {exc!r}"}
-                await write_control(loop, conn, reply, MAX_STORE_FRAME)
+                if "values" in reply:
+                    self.gathered += len(reply["values"])
+                frame = encode_control(reply, MAX_STORE_FRAME)
+                self.bytes_served += len(frame)
+                await send_all(loop, conn, [frame])
         except (PeerLostError, ProtocolError, OSError):
             return
         finally:

@@ -784,14 +784,21 @@ def expected_like(ins: list[np.ndarray], op: str) -> np.ndarray:
     return (x.sum(0) if op == "sum" else x.max(0)).astype(ins[0].dtype)
 
 
-async def store_requests(comm: hetccl.Communicator, per_rank: int) -> None:
+async def store_requests(comm: hetccl.Communicator, per_rank: int, gathered_per_rank: int | None = None) -> None:
     """After init, rank 0's store has answered at most per_rank requests per rank (the bootstrap is O(1) round
-    trips a rank: one record gather, not one get per peer)."""
+    trips a rank: one record gather, not one get per peer) and, when gathered_per_rank is given, sent at most that
+    many gathered values (records) per rank (the records go down a tree of ranks: about one per rank in all, not
+    one per rank and peer)."""
     await comm.barrier()
     if comm.rank == 0:
-        served = comm._fabric.server.served
+        server = comm._fabric.server
+        served, gathered = server.served, server.gathered
+        print(f"store requests: {served} for {comm.size} ranks; {gathered} records gathered, "
+              f"{server.bytes_served} bytes served", flush=True)
         assert served <= per_rank * comm.size, f"the store served {served} requests for {comm.size} ranks"
-        print(f"store requests: {served} for {comm.size} ranks", flush=True)
+        if gathered_per_rank is not None:
+            assert gathered <= gathered_per_rank * comm.size, \
+                f"the store sent {gathered} records to {comm.size} ranks"
 
 
 async def keys_pruned_on_close(comm: hetccl.Communicator, splits: int, close_under_s: float) -> None:
