@@ -3,8 +3,9 @@
 Rank 0 hosts it unless an address is given. Every connection passes the HMAC handshake first; a stranger
 is refused and logged and the store goes on serving the job. Requests: set, get (waits until the key
 exists, with a deadline), add (atomic counter), check, gather (the values of keys prefix/0 .. prefix/n-1 in
-one answer, once a key says they are all there: the bootstrap's records in one round trip per rank), delete, and
-prune (every key under a prefix: a closed job's keys, Fabric.close). Values are msgpack-able objects.
+one answer, once a key says they are all there: the bootstrap's records, for rank 0 and any rank the records
+tree did not reach), delete, and prune (every key under a prefix: a closed job's keys, Fabric.close). Values are
+msgpack-able objects.
 """
 
 from __future__ import annotations
@@ -290,6 +291,11 @@ class StoreClient:
             raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key!r}; "
                                     "a rank never arrived (crashed, or started with another world size?)")
         return reply["value"]
+
+    async def wait(self, key: str, timeout: float | None = None) -> bool:
+        """True once `key` exists, False when the timeout passes first (a get whose value is not needed)."""
+        t = self.timeout if timeout is None else timeout
+        return not (await self._request({"cmd": "get", "key": key, "timeout": t}, t)).get("timeout")
 
     async def gather(self, prefix: str, count: int, after: str, timeout: float | None = None
                      ) -> tuple[list[Any] | None, list[int]]:

@@ -801,6 +801,23 @@ async def store_requests(comm: hetccl.Communicator, per_rank: int, gathered_per_
                 f"the store sent {gathered} records to {comm.size} ranks"
 
 
+async def records_tree_fallback(comm: hetccl.Communicator, deaf: int) -> None:
+    """Rank `deaf` refuses the records tree (HETCCL_TEST_RECORDS_TREE_DEAF): it read the records from the store and
+    every other rank but 0 from the tree (the deaf rank's children from rank 0, which pushed to them instead); the
+    store sent the records twice (rank 0's gather and the deaf rank's), and the job works."""
+    fab = comm._fabric
+    expect = "store" if comm.rank in (0, deaf) else "tree"
+    assert fab.records_source == expect, f"rank {comm.rank} read the records from the {fab.records_source}"
+    assert [rec["pid"] for rec in fab.records].count(os.getpid()) == 1
+    buf = np.full(4, comm.rank, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(4, sum(range(comm.size)), np.float32), "all_reduce after the fallback")
+    if comm.rank == 0:
+        gathered = fab.server.gathered
+        print(f"records gathered: {gathered} for {comm.size} ranks", flush=True)
+        assert gathered == 2 * comm.size, f"the store sent {gathered} records to {comm.size} ranks"
+
+
 async def keys_pruned_on_close(comm: hetccl.Communicator, splits: int, close_under_s: float) -> None:
     """Create and close `splits` splits, close the world: every rank closes within `close_under_s` (a wait on a
     pruned key would take the closing barrier's whole bound, 10 s), and the store host, where this rank hosts it,
