@@ -3,7 +3,9 @@
 1. Rank 0 hosts the rendezvous store (unless HETCCL_STORE_EXTERNAL=1 says it runs elsewhere); everyone
    connects with the job secret.
 2. Every rank starts its transports' listeners and publishes one record: host identity, pid, hostname
-   and each transport's address. Every rank reads all records: the topology (which ranks share a host).
+   and each transport's address. Every rank reads all records: the topology (which ranks share a host). Rank 0
+   gathers them from the store and pushes them down a tree of ranks (recordtree.py), so that the store sends
+   about N records, not N to each rank; a rank the tree does not reach in time reads the store.
 3. For each peer the highest-priority transport both sides have and that reaches it is chosen (shared
    memory inside a host, TCP across hosts), and the transports connect.
 
@@ -42,6 +44,7 @@ from .errors import (
 )
 from .matching import Matcher
 from .netio import route_source_addr
+from .recordtree import RECORDS_TREE_WAIT_S, RecordsInbox, push_records, records_frame
 from .store import StoreClient, StoreServer
 from .transports import registry
 from .transports.base import Endpoint, Transport, TransportContext, TransportProperties
@@ -200,6 +203,11 @@ class Fabric:
         # error it failed on or None)}
         self.departed: dict[int, dict[int, tuple[int, int, str | None]]] = {}
         self.comms: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id -> Communicator
+        # the records tree (recordtree.py), during the bootstrap only: this rank's inbox (ranks other than 0), and
+        # its push of the records to the ranks below it
+        self._inbox: RecordsInbox | None = None
+        self._push: asyncio.Task | None = None
+        self.records_source = ""  # where this rank read the records: "store" or "tree" (diagnostics, tests)
 
     @classmethod
     async def create(cls, identity: Identity, settings: Settings) -> Fabric:
@@ -258,11 +266,29 @@ class Fabric:
             self.transports.append(t)
         if not self.transports:
             raise ConfigError("no usable transport; see `hetccl info`")
+        inbox = None
+        if rank != 0:  # rank 0 reads the records from the store: the root of the records tree
+            inbox = self._inbox = RecordsInbox(rank, size, self.job, s.secret, bind, min(10.0, s.timeout),
+                                               deaf=params.get("HETCCL_TEST_RECORDS_TREE_DEAF"))
+            inbox_addr = inbox.start()
         mine = {"host": ctx.host_id, "hostname": socket.gethostname(), "host_name": self.host_name,
                 "machine": host_identity(), "pid": os.getpid(), "transports": records, "island": island_label(),
                 "agree": params.agreed(s), "fds": fd_state(self.server is not None)}
+        if inbox is not None:
+            mine["records_inbox"] = list(inbox_addr)
         await self.store.set(f"{self.job}/rank/{rank}", mine)
-        self.records = await self._gather_records(mine)
+        self.records = await self._read_records(mine)
+        try:
+            await self._use_records(ctx, bind)
+        except Exception:
+            await self._end_push()  # the ranks below still get the records: they raise the same ConfigError
+            raise
+        await self._end_push()
+
+    async def _use_records(self, ctx: TransportContext, bind: str) -> None:
+        """With every rank's record: check them alike on every rank, make the topology and connect."""
+        assert self.store is not None
+        s, rank, size = self.settings, self.rank, self.size
         self.store_external = not any(rec.get("fds", (-1, 0, 0))[2] for rec in self.records)  # nobody serves it
         read = await self.store.add(f"{self.job}/records-read", 1)
         topology = Topology([rec["host"] for rec in self.records],
@@ -317,29 +343,116 @@ class Fabric:
             m = self.matchers[peer] = Matcher(self.rank, peer, self.settings.unexpected_bytes)
         return m
 
-    async def _gather_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    async def _read_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's record (this rank's is in the store), waiting at most the timeout for all of them, in a
-        few round trips per rank whatever the size: a count of the ranks that joined, whose last sets
-        `joined/all`, then one gather of every record. While ranks are missing, say which now and then
-        (waits.WaitNotes), asking again between the lines."""
+        few round trips per rank whatever the size, and about N records sent by the store in all: a count of the
+        ranks that joined, whose last sets `joined/all`; then rank 0 gathers every record from the store and
+        pushes them down the records tree (recordtree.py), while the other ranks wait for `joined/all`, then
+        for the records from the tree, forward them below and use them. A rank that has not received them
+        RECORDS_TREE_WAIT_S after `joined/all` gathers them from the store, as rank 0 did. While ranks are
+        missing, say which now and then (waits.WaitNotes), asking again between the lines."""
         assert self.store is not None
-        notes, timeout = WaitNotes(self.settings), self.settings.timeout
-        deadline = time.monotonic() + timeout
+        notes = WaitNotes(self.settings)
+        deadline = time.monotonic() + self.settings.timeout
         joined = await self.store.count_in(f"{self.job}/joined", self.size)
+        inbox = self._inbox
+        try:
+            if inbox is None:
+                recs = await self._store_records(joined, deadline, notes)
+                self._push_stored(recs)
+            else:
+                recs = await self._wait_all_joined(joined, deadline, notes)
+                if recs is not None:  # the store gave them as the last rank joined: the ranks below wait for them
+                    self._push_stored(recs)
+                else:
+                    wait = 0.0 if inbox.deaf else RECORDS_TREE_WAIT_S
+                    recs = await inbox.wait(min(wait, deadline - time.monotonic()))
+                    if recs is not None:
+                        self._start_push(inbox.frame, recs)  # forward first: the ranks below wait for it
+                        self.records_source = "tree"
+                    else:  # stop listening first: a parent that comes late is refused, and pushes below this rank
+                        await inbox.close()
+                        log.info("hetccl: rank %d: no records from the records tree %.1f s after every rank "
+                                 "joined; reading them from the store", self.rank, wait)
+                        recs = await self._store_records(joined, deadline, notes)
+        finally:  # this rank has the records, or has failed: nobody needs its inbox any more
+            if inbox is not None:
+                self._inbox = None
+                await inbox.close()
+        self.records_source = self.records_source or "store"
+        recs[self.rank] = mine
+        return recs
+
+    async def _store_records(self, joined: str, deadline: float, notes: WaitNotes) -> list[dict[str, Any]]:
+        """Every rank's record from the store: one gather, once key `joined` (every rank joined) exists; until
+        `deadline`, saying which ranks are missing now and then (waits.WaitNotes), asking again between lines."""
+        assert self.store is not None
         while True:
             left = deadline - time.monotonic()
             recs, missing = await self.store.gather(f"{self.job}/rank", self.size, joined,
                                                     timeout=max(0.0, min(left, notes.until_next())))
             if recs is not None:
-                recs[self.rank] = mine
                 return recs
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"rank {self.rank}: waited {timeout:.0f} s for every rank's record; "
-                                        f"{rank_list(missing)} never arrived (crashed, or started with another "
-                                        "world size?)")
-            if missing:
-                notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
-                          f"missing: {rank_list(missing)}")
+            self._missing(missing, deadline, notes)
+
+    async def _wait_all_joined(self, joined: str, deadline: float, notes: WaitNotes) -> list[dict[str, Any]] | None:
+        """Until key `joined` exists (every rank joined), within `deadline`, saying which ranks are missing now
+        and then as _store_records does (a gather that answers at once: the missing ranks, or every record when
+        the last rank joined just then: those are returned; else None)."""
+        assert self.store is not None
+        while True:
+            left = deadline - time.monotonic()
+            if await self.store.wait(joined, max(0.0, min(left, notes.until_next()))):
+                return None
+            recs, missing = await self.store.gather(f"{self.job}/rank", self.size, joined, timeout=0)
+            if recs is not None:
+                return recs
+            self._missing(missing, deadline, notes)
+
+    def _missing(self, missing: list[int], deadline: float, notes: WaitNotes) -> None:
+        """Ranks `missing` have not joined yet: CollectiveTimeout past `deadline`, else a line when one is due."""
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"rank {self.rank}: waited {self.settings.timeout:.0f} s for every rank's "
+                                    f"record; {rank_list(missing)} never arrived (crashed, or started with "
+                                    "another world size?)")
+        if missing:
+            notes.say(f"rank {self.rank}: {self.size - len(missing)} of {self.size} ranks joined; "
+                      f"missing: {rank_list(missing)}")
+
+    def _push_stored(self, records: list[dict[str, Any]]) -> None:
+        """_start_push of records read from the store."""
+        if self.size == 1:
+            return
+        try:
+            frame = records_frame(records, self.size)
+        except HetcclError as exc:  # larger than a records frame may be: the ranks below read the store
+            log.warning("hetccl: rank %d: the records do not fit the records tree (%s); the ranks below this one "
+                        "read them from the store", self.rank, exc)
+            return
+        self._start_push(frame, records)
+
+    def _start_push(self, frame: bytes, records: list[dict[str, Any]]) -> None:
+        """Push the records (their frame) to the ranks below this one in the records tree, in a task that
+        _end_push awaits: within RECORDS_TREE_WAIT_S, after which those ranks read the store instead."""
+        def inbox_of(r: int) -> Any:
+            return records[r].get("records_inbox")
+
+        self._push = asyncio.ensure_future(push_records(self.rank, self.size, self.job, self.settings.secret, frame,
+                                                        inbox_of, RECORDS_TREE_WAIT_S))
+
+    async def _end_push(self, cancel: bool = False) -> None:
+        """Wait for this rank's push of the records (bounded: push_records' own deadline), or cancel it."""
+        task, self._push = self._push, None
+        if task is None:
+            return
+        if cancel:
+            task.cancel()
+        try:
+            await asyncio.wait({task})
+        finally:
+            task.cancel()  # no-op once done; else this wait itself was cancelled
+        if not task.cancelled() and task.exception() is not None:  # push_records keeps its own errors: a bug
+            log.warning("hetccl: rank %d: pushing the records failed: %r", self.rank, task.exception())
 
     async def _goodbye(self) -> None:
         """Closing: tell the peers still connected where this rank stopped on each communicator (so a peer still
@@ -589,6 +702,10 @@ class Fabric:
         if self.closed:
             return
         self.closed = True
+        await self._end_push(cancel=True)  # a bootstrap that failed: nothing of the records tree outlives it
+        if self._inbox is not None:
+            await self._inbox.close()
+            self._inbox = None
         if self.size > 1 and self.endpoints:
             await self._goodbye()
         wait = min(10.0, self.settings.timeout, barrier_s if barrier_s is not None else 10.0)

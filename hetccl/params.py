@@ -381,6 +381,10 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "dropped", "hetccl.observe.trace", lo=0),
     _P("HETCCL_TEST_CLOCK_SKEW_US", "list", [], "tests only: per-rank shift of the trace clock in microseconds "
        "(`0,5000000`), which the clock correction must remove", "hetccl.observe.trace", parse=_skews),
+    _P("HETCCL_TEST_RECORDS_TREE_DEAF", "bool", False, "tests only: this rank's inbox of the bootstrap's records "
+       "tree is bound but never listens, so its parent's push is refused as an unreachable rank's would be (the "
+       "parent pushes to this rank's children instead), and this rank reads the records from the store at once "
+       "instead of waiting for the tree", "hetccl.bootstrap"),
     _P("HETCCL_METRICS_PORT", "int", None, "serve Prometheus metrics (`pip install 'hetccl[metrics]'`) on this port "
        "+ the rank's index on its machine (its local rank, unless `HETCCL_HOST` splits the machine): bytes and "
        "operations per collective, transport and peer, latency histograms, errors by "

@@ -3,8 +3,9 @@
 Rank 0 hosts it unless an address is given. Every connection passes the HMAC handshake first; a stranger
 is refused and logged and the store goes on serving the job. Requests: set, get (waits until the key
 exists, with a deadline), add (atomic counter), check, gather (the values of keys prefix/0 .. prefix/n-1 in
-one answer, once a key says they are all there: the bootstrap's records in one round trip per rank), delete, and
-prune (every key under a prefix: a closed job's keys, Fabric.close). Values are msgpack-able objects.
+one answer, once a key says they are all there: the bootstrap's records, for rank 0 and any rank the records
+tree did not reach), delete, and prune (every key under a prefix: a closed job's keys, Fabric.close). Values are
+msgpack-able objects.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError, ProtocolError
-from .netio import read_control, tune_socket, write_control
+from .netio import read_control, send_all, tune_socket, write_control
+from .wire import encode_control
 
 log = logging.getLogger("hetccl")
 
@@ -37,6 +39,10 @@ class StoreServer:
         self._waiting: dict[str, int] = {}
         self.refused = 0
         self.served = 0  # requests answered: the bootstrap makes O(1) per rank (tests, benchmarks)
+        # values sent in gather answers, and bytes in all answers: the bootstrap's records reach the ranks through
+        # a tree (bootstrap.py), so the store sends about one job's worth of records, not one per rank (tests)
+        self.gathered = 0
+        self.bytes_served = 0
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -88,7 +94,11 @@ class StoreServer:
                     reply = await self._handle(req)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not drop the connection
                     reply = {"err": f"store request failed: {exc!r}"}
-                await write_control(loop, conn, reply, MAX_STORE_FRAME)
+                if "values" in reply:
+                    self.gathered += len(reply["values"])
+                frame = encode_control(reply, MAX_STORE_FRAME)
+                self.bytes_served += len(frame)
+                await send_all(loop, conn, [frame])
         except (PeerLostError, ProtocolError, OSError):
             return
         finally:
@@ -281,6 +291,11 @@ class StoreClient:
             raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key!r}; "
                                     "a rank never arrived (crashed, or started with another world size?)")
         return reply["value"]
+
+    async def wait(self, key: str, timeout: float | None = None) -> bool:
+        """True once `key` exists, False when the timeout passes first (a get whose value is not needed)."""
+        t = self.timeout if timeout is None else timeout
+        return not (await self._request({"cmd": "get", "key": key, "timeout": t}, t)).get("timeout")
 
     async def gather(self, prefix: str, count: int, after: str, timeout: float | None = None
                      ) -> tuple[list[Any] | None, list[int]]:

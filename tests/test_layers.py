@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "hetccl.gpu": 4, "hetccl.bindings": 4,
     # 3: control plane (fabric, rendezvous, rank sources)
     "hetccl.bootstrap": 3, "hetccl.torchrun": 3, "hetccl.store": 3, "hetccl.waits": 3,
+    "hetccl.recordtree": 3,
     # 2: transports
     "hetccl.transports": 2,
     # 1: observability and the cost model (the algorithms package itself: pure functions)

@@ -784,14 +784,38 @@ def expected_like(ins: list[np.ndarray], op: str) -> np.ndarray:
     return (x.sum(0) if op == "sum" else x.max(0)).astype(ins[0].dtype)
 
 
-async def store_requests(comm: hetccl.Communicator, per_rank: int) -> None:
+async def store_requests(comm: hetccl.Communicator, per_rank: int, gathered_per_rank: int | None = None) -> None:
     """After init, rank 0's store has answered at most per_rank requests per rank (the bootstrap is O(1) round
-    trips a rank: one record gather, not one get per peer)."""
+    trips a rank: one record gather, not one get per peer) and, when gathered_per_rank is given, sent at most that
+    many gathered values (records) per rank (the records go down a tree of ranks: about one per rank in all, not
+    one per rank and peer)."""
     await comm.barrier()
     if comm.rank == 0:
-        served = comm._fabric.server.served
+        server = comm._fabric.server
+        served, gathered = server.served, server.gathered
+        print(f"store requests: {served} for {comm.size} ranks; {gathered} records gathered, "
+              f"{server.bytes_served} bytes served", flush=True)
         assert served <= per_rank * comm.size, f"the store served {served} requests for {comm.size} ranks"
-        print(f"store requests: {served} for {comm.size} ranks", flush=True)
+        if gathered_per_rank is not None:
+            assert gathered <= gathered_per_rank * comm.size, \
+                f"the store sent {gathered} records to {comm.size} ranks"
+
+
+async def records_tree_fallback(comm: hetccl.Communicator, deaf: int) -> None:
+    """Rank `deaf` refuses the records tree (HETCCL_TEST_RECORDS_TREE_DEAF): it read the records from the store and
+    every other rank but 0 from the tree (the deaf rank's children from rank 0, which pushed to them instead); the
+    store sent the records twice (rank 0's gather and the deaf rank's), and the job works."""
+    fab = comm._fabric
+    expect = "store" if comm.rank in (0, deaf) else "tree"
+    assert fab.records_source == expect, f"rank {comm.rank} read the records from the {fab.records_source}"
+    assert [rec["pid"] for rec in fab.records].count(os.getpid()) == 1
+    buf = np.full(4, comm.rank, np.float32)
+    await comm.all_reduce(buf)
+    check(buf, np.full(4, sum(range(comm.size)), np.float32), "all_reduce after the fallback")
+    if comm.rank == 0:
+        gathered = fab.server.gathered
+        print(f"records gathered: {gathered} for {comm.size} ranks", flush=True)
+        assert gathered == 2 * comm.size, f"the store sent {gathered} records to {comm.size} ranks"
 
 
 async def keys_pruned_on_close(comm: hetccl.Communicator, splits: int, close_under_s: float) -> None:
