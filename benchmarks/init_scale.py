@@ -5,7 +5,7 @@ another checkout (--repo) in one run, the two interleaved size by size.
 
 Per job: every rank's time from its launch to the end of `hetccl.init()` (the slowest rank's), the first
 all_reduce (4 KiB, the slowest rank's), open files and peak RSS per rank (the largest), and the requests rank
-0's store served by then (a checkout without the count says "-"). The ranks oversubscribe the cores, as the
+0's store served by then and the bytes it sent (a checkout without the count says "-"). The ranks oversubscribe the cores, as the
 issue's figures did, so the times are the machine's, not a cluster's.
 """
 
@@ -33,12 +33,15 @@ init_s = time.time() - launched
 t = time.perf_counter()
 comm.all_reduce(np.ones(1024, np.float32))
 first_s = time.perf_counter() - t
-served = getattr(comm.async_comm._fabric.server, "served", None) if comm.rank == 0 else None
+server = comm.async_comm._fabric.server if comm.rank == 0 else None
+served = getattr(server, "served", None)
+sent = getattr(server, "bytes_served", None)  # checkouts before the records tree have no count
 row = np.array([init_s, first_s, len(os.listdir("/proc/self/fd")),
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], np.float64)
 comm.all_reduce(row, op="max")
 if comm.rank == 0:
-    print("ROW", init_s, *row.tolist(), -1 if served is None else served, flush=True)
+    print("ROW", init_s, *row.tolist(), -1 if served is None else served, -1 if sent is None else sent,
+          flush=True)
 comm.close()
 """
 
@@ -64,9 +67,9 @@ def run_job(n: int, per_host: int, repo: str | None) -> dict:
             raise SystemExit(f"rank {r} of {n} ({root}) exited {p.returncode}:\n{err[-3000:]}")
         for line in out.splitlines():
             if line.startswith("ROW "):
-                _, _, init_s, first_s, fds, rss, served = line.split()
+                _, _, init_s, first_s, fds, rss, served, *sent = line.split()
                 row = {"init": float(init_s), "first": float(first_s), "fds": float(fds), "rss": float(rss),
-                       "served": int(float(served))}
+                       "served": int(float(served)), "sent": int(float(sent[0])) if sent else -1}
     assert row is not None
     return row
 
@@ -81,8 +84,9 @@ def main() -> None:
     variants = [("this", None)] + ([("before", a.repo)] if a.repo else [])
     print(f"# init at scale, hosts of {a.per_host} ranks; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; "
           f"{' '.join(sys.argv)}")
-    print("| ranks | variant | init s | first all_reduce ms | open files per rank | peak RSS MB | store requests |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ranks | variant | init s | first all_reduce ms | open files per rank | peak RSS MB | store requests "
+          "| store bytes sent |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in a.ranks.split(",")):
         got: dict[str, list[dict]] = {v: [] for v, _ in variants}
         for _ in range(a.reps):
@@ -91,9 +95,10 @@ def main() -> None:
         for v, _ in variants:
             rows = got[v]
             med = {k: statistics.median(r[k] for r in rows) for k in ("init", "first", "fds", "rss")}
-            served = rows[0]["served"]
+            served, sent = rows[0]["served"], rows[0]["sent"]
             print(f"| {n} | {v} | {med['init']:.2f} | {med['first'] * 1e3:.1f} | {med['fds']:.0f} | "
-                  f"{med['rss']:.0f} | {served if served >= 0 else '-'} |", flush=True)
+                  f"{med['rss']:.0f} | {served if served >= 0 else '-'} | {sent if sent >= 0 else '-'} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
