@@ -5,8 +5,8 @@ another checkout (--repo) in one run, the two interleaved size by size.
 
 Per job: every rank's time from its launch to the end of `hetccl.init()` (the slowest rank's), the first
 all_reduce (4 KiB, the slowest rank's), open files and peak RSS per rank (the largest), and the requests rank
-0's store served by then and the bytes it sent (a checkout without the count says "-"). The ranks oversubscribe the cores, as the
-issue's figures did, so the times are the machine's, not a cluster's.
+0's store served by then and the bytes it sent (a checkout without the count says "-"). The ranks oversubscribe
+the cores, as the issue's figures did, so the times are the machine's, not a cluster's.
 """
 
 from __future__ import annotations
