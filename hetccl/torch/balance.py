@@ -225,7 +225,7 @@ class _StepTimer:
             self._finish()
 
     def backward_started(self) -> None:
-        """The loss's gradient reached the model's outputs (_BackwardMark): stamp the backward's end."""
+        """The loss's gradient reached the model's outputs (_OutputGrad): stamp the backward's end."""
         if self.time_backward and self.step is not None and not self.step.marked and not self.active:
             self.step.marked = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -261,33 +261,23 @@ class _StepTimer:
             self.on_done(step.size, self._seconds(step))
 
 
-class _BackwardMark(torch.autograd.Function):
-    """Identity forward; its backward, the first node the loss's gradient reaches, tells the timer that the
-    backward runs (the timer then queues a callback for the backward's end)."""
+class _OutputGrad(torch.autograd.Function):
+    """Identity forward on a model output; its backward, the first node the loss's gradient reaches, scales the
+    gradient by w (w = 0: zeros, even where the gradient is NaN, as the loss of an empty batch makes it) and,
+    with a timer, tells it that the backward runs (the timer then queues a callback for the backward's end)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, timer: _StepTimer) -> torch.Tensor:  # type: ignore[override]
-        ctx.timer = timer
+    def forward(ctx: Any, x: torch.Tensor, w: float, timer: _StepTimer | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.w, ctx.timer = w, timer
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        ctx.timer.backward_started()
-        return g, None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward scales the gradient by w (w = 0: zeros, even where the gradient is NaN, as
-    the loss of an empty batch makes it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.w = w
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return (g * ctx.w if ctx.w else torch.zeros_like(g)), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        if ctx.timer is not None:
+            ctx.timer.backward_started()
+        if ctx.w == 1.0:
+            return g, None, None
+        return (g * ctx.w if ctx.w else torch.zeros_like(g)), None, None
 
 
 class Balancer:
@@ -537,13 +527,8 @@ class Balancer:
         if w == 1.0 and timer is None:
             return None
 
-        def wrap(t: torch.Tensor) -> torch.Tensor:
-            if not (t.requires_grad and t.is_floating_point()):
-                return t
-            if w != 1.0:
-                t = _ScaleGrad.apply(t, w)
-            return t if timer is None else _BackwardMark.apply(t, timer)  # outermost: the backward's first node
-        return tree_map_only(torch.Tensor, wrap, output)
+        return tree_map_only(torch.Tensor, lambda t: _OutputGrad.apply(t, w, timer)
+                             if t.requires_grad and t.is_floating_point() else t, output)
 
     def mean(self, value: torch.Tensor | float) -> torch.Tensor:
         """The global-batch mean of a per-rank mean (a loss, an accuracy) of the batch this rank last trained
