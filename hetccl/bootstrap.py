@@ -48,6 +48,7 @@ from .recordtree import RECORDS_TREE_WAIT_S, RecordsInbox, push_records, records
 from .store import StoreClient, StoreServer
 from .transports import registry
 from .transports.base import Endpoint, Transport, TransportContext, TransportProperties
+from .transports.tcp import connects_lazily
 from .waits import WaitNotes, rank_list
 
 log = logging.getLogger("hetccl")
@@ -153,7 +154,7 @@ def check_fd_room(records: list[dict[str, Any]], topology: Topology) -> None:
     limit and the number it needs where a rank's open-file limit, already raised to its hard limit, cannot hold
     a connection to every peer."""
     size = len(records)
-    lazy = params.get("HETCCL_CONNECT") == "lazy"
+    lazy = connects_lazily(size)
     for r, rec in enumerate(records):
         limit, now, serves = rec.get("fds", (-1, 0, 0))
         if limit < 0:

@@ -250,10 +250,14 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "by native threads (one per direction and peer) instead of the event loop, so a ring step's send and "
        "receive copy on two cores at once; 0 = never", "hetccl.transports.tcp",
        shown="1M with 8 or more usable cores, else 0 (never: with few cores the loop threads already use them)"),
-    _P("HETCCL_CONNECT", "choice", "eager", "when TCP peers connect: `eager`, every pair at init; `lazy`, each rank "
+    _P("HETCCL_CONNECT", "choice", "auto", "when TCP peers connect: `eager`, every pair at init; `lazy`, each rank "
        "dials a peer the first time it sends to it or waits for it (one connection per direction), so a rank opens "
-       "connections to the peers its collectives use, not to all", "hetccl.transports.tcp",
-       choices=("eager", "lazy"), agree=True),
+       "connections to the peers its collectives use, not to all; `auto`: lazy in jobs of "
+       "`HETCCL_CONNECT_LAZY_FROM` ranks or more, else eager", "hetccl.transports.tcp",
+       choices=("auto", "eager", "lazy"), agree=True),
+    _P("HETCCL_CONNECT_LAZY_FROM", "int", 256, "`HETCCL_CONNECT=auto` connects lazily from this many ranks: an eager "
+       "rank holds about 2 open files a peer, so near 500 ranks it passes the usual soft limit of 1,024; below, "
+       "eager connections spare the first collective their set-up", "hetccl.transports.tcp", lo=2, agree=True),
     _P("HETCCL_SOCKET_LANES", "int", None, "TCP connections per peer pair; a payload of at least "
        "`HETCCL_SOCKET_PUMP_BYTES` is split over all of them, each moved by its own pump threads (one connection "
        "tops out at ~2 GB/s each way on loopback); the two ranks use the smaller of their values",

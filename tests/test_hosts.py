@@ -110,12 +110,16 @@ def test_two_hosts_on_one_machine(transports):
 
 
 @pytest.mark.timeout(120)
-def test_connections_on_first_use():
-    """HETCCL_CONNECT=lazy (issue 32): 6 ranks, each its own host over TCP, connect only the peers their
-    collectives use (a ring all_reduce: its neighbours), and every collective and p2p still works."""
-    run_ranks(6, "workers:connects_on_first_use", env={"HETCCL_HOST": ",".join(f"h{r}" for r in range(6)),
-                                                       "HETCCL_TRANSPORTS": "tcp", "HETCCL_CONNECT": "lazy"},
-              timeout=110)
+@pytest.mark.parametrize(("mode", "lazy_from", "lazy"), [("lazy", None, True), ("auto", "6", True),
+                                                         ("auto", "7", False)])
+def test_connections_on_first_use(mode: str, lazy_from: str | None, lazy: bool):
+    """HETCCL_CONNECT=lazy (issue 32), or auto in a job of at least HETCCL_CONNECT_LAZY_FROM ranks: 6 ranks, each
+    its own host over TCP, connect only the peers their collectives use (a ring all_reduce: its neighbours), and
+    every collective and p2p still works. auto in a smaller job connects every pair at init."""
+    env = {"HETCCL_HOST": ",".join(f"h{r}" for r in range(6)), "HETCCL_TRANSPORTS": "tcp", "HETCCL_CONNECT": mode}
+    if lazy_from is not None:
+        env["HETCCL_CONNECT_LAZY_FROM"] = lazy_from
+    run_ranks(6, "workers:connects_on_first_use" if lazy else "workers:connects_at_init", env=env, timeout=110)
 
 
 @pytest.mark.timeout(120)

@@ -172,6 +172,16 @@ async def connects_on_first_use(comm: hetccl.Communicator) -> None:
     await every_op(comm, counts=[0, 1, 4099], dtypes=["float32", "int64"], ops=["sum", "max"])
 
 
+async def connects_at_init(comm: hetccl.Communicator) -> None:
+    """HETCCL_CONNECT=auto in a job smaller than HETCCL_CONNECT_LAZY_FROM: every TCP peer connected at init."""
+    tcp = next(t for t in comm._fabric.transports if t.name == "tcp")
+    assert not tcp._lazy, sorted(tcp._lazy)
+    assert sorted(comm._fabric.endpoints) == [p for p in range(comm.size) if p != comm.rank]
+    x = np.ones(1 << 20, np.float32)
+    await comm.all_reduce(x)
+    check(x, np.full(1 << 20, comm.size, np.float32), "eager ring all_reduce")
+
+
 async def in_place_variants(comm: hetccl.Communicator) -> None:
     n, r = comm.size, comm.rank
     # all_gather in place: inp is this rank's slice of out

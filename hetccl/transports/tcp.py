@@ -37,6 +37,13 @@ def pump_bytes() -> int:
     return value if value is not None else (1 << 20 if usable_cpus() >= 8 else 0)
 
 
+def connects_lazily(size: int) -> bool:
+    """Whether a job of `size` ranks dials its TCP peers on first use (HETCCL_CONNECT; `auto`: from
+    HETCCL_CONNECT_LAZY_FROM ranks), the same on every rank (both settings are agreed)."""
+    mode = params.get("HETCCL_CONNECT")
+    return mode == "lazy" or (mode == "auto" and size >= params.get("HETCCL_CONNECT_LAZY_FROM"))
+
+
 def lane_count() -> int:
     """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (the transport keeps 1 without pumps)."""
     value = params.get("HETCCL_SOCKET_LANES")
@@ -501,7 +508,7 @@ class TcpTransport(Transport):
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         me = self.ctx.rank
-        if params.get("HETCCL_CONNECT") == "lazy":
+        if connects_lazily(self.ctx.size):
             self._lazy = {p: LazyTcpEndpoint(self, p, r) for p, r in peers.items()}
             self._listener.arrived = self._arrived
             for p in self._listener.peers():  # dialled before this rank got here
