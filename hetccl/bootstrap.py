@@ -291,18 +291,18 @@ class Fabric:
         assert self.store is not None
         s, rank, size = self.settings, self.rank, self.size
         self.store_external = not any(rec.get("fds", (-1, 0, 0))[2] for rec in self.records)  # nobody serves it
-        read = await self.store.add(f"{self.job}/records-read", 1)
+        all_read = await self.store.count_in(f"{self.job}/records-read", size)
         topology = Topology([rec["host"] for rec in self.records],
                             [rec.get("machine", rec["host"]) for rec in self.records])
         try:
             check_agreement(self.records)
             check_fd_room(self.records, topology)
         except ConfigError:
-            if self.server is not None:  # every rank raises it: the store must outlive their reads
-                deadline = time.monotonic() + min(10.0, s.timeout)
-                while read < size and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-                    read = await self.store.add(f"{self.job}/records-read", 0)
+            # every rank raises it: each first waits (bounded) until every rank has the records, so that the store
+            # outlives their reads and no rank exits (and a launcher stops the rest) before the others see it too:
+            # down the records tree, ranks get them at different times
+            with contextlib.suppress(HetcclError, OSError, TimeoutError):
+                await self.store.wait(all_read, min(10.0, s.timeout))
             raise
         self.topology = topology
         ctx.local_ranks = self.topology.local_ranks(rank)
