@@ -36,7 +36,7 @@ log = logging.getLogger("hetccl")
 PURPOSE = "records"  # the handshake's purpose: a store or data connection's transcript is not valid here
 # children per rank: depth log_4(N) (7 at 8,192 ranks), and a parent sends the records 4 times (a constant)
 RECORDS_TREE_FANOUT = 4
-# one rank's record, encoded, at most: about 600 bytes measured with tcp and shm (2026-12-07); room for plugins.
+# one rank's record, encoded, at most: about 600 bytes measured with tcp and shm (2026-12-06); room for plugins.
 # A frame of N records is refused above N times this (and above the store's own frame bound, which the gather of
 # the same records had to pass at rank 0)
 RECORD_MAX_BYTES = 16 << 10
