@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .errors import PeerLostError
@@ -79,8 +80,27 @@ async def read_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, max
 
 
 async def write_control(loop: asyncio.AbstractEventLoop, sock: socket.socket, obj: dict[str, Any],
-                        max_bytes: int, peer: int = -1) -> None:
-    await send_all(loop, sock, [encode_control(obj, max_bytes)], peer)
+                        max_bytes: int, peer: int = -1) -> int:
+    """Send obj as one control frame; returns the frame's bytes (the store counts what it serves)."""
+    frame = encode_control(obj, max_bytes)
+    await send_all(loop, sock, [frame], peer)
+    return len(frame)
+
+
+async def accept_each(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      handle: Callable[[socket.socket, Any], Coroutine[Any, Any, None]],
+                      tasks: set[asyncio.Task]) -> None:
+    """Accept connections on the listening `sock` until it is closed (or this is cancelled): each one tuned and
+    handed to handle(conn, addr) in a task kept in `tasks` while it runs, for the owner to cancel."""
+    while True:
+        try:
+            conn, addr = await loop.sock_accept(sock)
+        except (OSError, asyncio.CancelledError):
+            return
+        tune_socket(conn)
+        task = loop.create_task(handle(conn, addr))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, HetcclError, ProtocolError
-from .netio import recv_exact, send_all, tune_socket
+from .netio import accept_each, recv_exact, send_all, tune_socket
 from .store import MAX_STORE_FRAME
 from .wire import CONTROL_LEN, control_length, decode_control_body, encode_control
 
@@ -114,22 +114,13 @@ class RecordsInbox:
         sock.setblocking(False)
         self._sock = sock
         if not self.deaf:
-            self._spawn(self._accept_loop(loop, sock))
+            self._spawn(accept_each(loop, sock, lambda conn, addr: self._receive(loop, conn, addr), self._tasks))
         return self.bind_host, sock.getsockname()[1]
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _accept_loop(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, addr = await loop.sock_accept(sock)
-            except (OSError, asyncio.CancelledError):
-                return
-            tune_socket(conn)
-            self._spawn(self._receive(loop, conn, addr))
 
     async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
         try:

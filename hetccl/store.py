@@ -20,8 +20,7 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError, ProtocolError
-from .netio import read_control, send_all, tune_socket, write_control
-from .wire import encode_control
+from .netio import accept_each, read_control, tune_socket, write_control
 
 log = logging.getLogger("hetccl")
 
@@ -61,23 +60,13 @@ class StoreServer:
         sock.setblocking(False)
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._spawn(self._accept_loop(loop))
+        self._spawn(accept_each(loop, sock, lambda conn, peer: self._serve(loop, conn, peer), self._tasks))
         return self.port
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
-
-    async def _accept_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self._sock is not None
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(self._sock)
-            except (OSError, asyncio.CancelledError):
-                return
-            tune_socket(conn)
-            self._spawn(self._serve(loop, conn, peer))
 
     async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: Any) -> None:
         try:
@@ -96,9 +85,7 @@ class StoreServer:
                     reply = {"err": f"store request failed: {exc!r}"}
                 if "values" in reply:
                     self.gathered += len(reply["values"])
-                frame = encode_control(reply, MAX_STORE_FRAME)
-                self.bytes_served += len(frame)
-                await send_all(loop, conn, [frame])
+                self.bytes_served += await write_control(loop, conn, reply, MAX_STORE_FRAME)
         except (PeerLostError, ProtocolError, OSError):
             return
         finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..auth import client_handshake, server_handshake
 from ..errors import AuthenticationError, CollectiveTimeout, HetcclError, PeerLostError
-from ..netio import tune_socket
+from ..netio import accept_each, tune_socket
 from .base import TransportContext
 
 log = logging.getLogger("hetccl")
@@ -51,7 +51,9 @@ class PeerListener:
         sock.listen(socket.SOMAXCONN)  # every peer may connect at once
         sock.setblocking(False)
         self._sock = sock
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        loop = asyncio.get_running_loop()
+        self._accept_task = loop.create_task(
+            accept_each(loop, sock, lambda conn, addr: self._accept_one(loop, conn, addr), self._handshakes))
         return 0 if self.unix_name is not None else sock.getsockname()[1]
 
     def incoming(self, peer: int, lane: int = 0) -> asyncio.Future:
@@ -64,19 +66,6 @@ class PeerListener:
     def peers(self) -> set[int]:
         """The peers whose connection was accepted or is awaited."""
         return {peer for peer, _ in self._incoming}
-
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
-            try:
-                conn, addr = await loop.sock_accept(self._sock)
-            except (OSError, asyncio.CancelledError):
-                return
-            tune_socket(conn)
-            task = loop.create_task(self._accept_one(loop, conn, addr))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
 
     async def _accept_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
         ctx = self.ctx
