@@ -190,18 +190,6 @@ def _padded_part(mine: torch.Tensor, parts: Sequence[torch.Tensor], rank: int, w
     return padded, most
 
 
-def _cuda_devices(obj: Any, found: set[int] | None = None) -> list[int]:
-    """CUDA device indices of the tensors in obj (nested lists): a Future holding them must be told."""
-    found = set() if found is None else found
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cuda":
-            found.add(obj.device.index if obj.device.index is not None else torch.cuda.current_device())
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            _cuda_devices(o, found)
-    return sorted(found)
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in obj (nested lists and tuples)."""
     if isinstance(obj, torch.Tensor):
@@ -209,6 +197,12 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, list | tuple):
         for o in obj:
             yield from _tensors(o)
+
+
+def _cuda_devices(obj: Any) -> list[int]:
+    """CUDA device indices of the tensors in obj (nested lists): a Future holding them must be told."""
+    return sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
+                   for t in _tensors(obj) if t.device.type == "cuda"})
 
 
 def _future(result: Any) -> torch.futures.Future:

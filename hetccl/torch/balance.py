@@ -138,7 +138,8 @@ class _Step:
         self.marked = False  # the backward's end is awaited
 
     def last(self) -> Any:
-        return (self.backward or (self.forward or [self.data])[-1])[1]
+        """The step's last stamp (a handed-on step has a forward)."""
+        return (self.backward or self.forward[-1])[1]
 
 
 class _StepTimer:
