@@ -98,9 +98,15 @@ async def accept_each(loop: asyncio.AbstractEventLoop, sock: socket.socket,
         except (OSError, asyncio.CancelledError):
             return
         tune_socket(conn)
-        task = loop.create_task(handle(conn, addr))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        keep_task(tasks, handle(conn, addr))
+
+
+def keep_task(tasks: set[asyncio.Task], coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+    """Run coro in a task kept in `tasks` while it runs (for its owner to cancel and await at close)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
 
 
 def tune_socket(sock: socket.socket) -> None:

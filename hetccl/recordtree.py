@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, HetcclError, ProtocolError
-from .netio import accept_each, recv_exact, send_all, tune_socket
+from .netio import accept_each, keep_task, recv_exact, send_all, tune_socket
 from .store import MAX_STORE_FRAME
 from .wire import CONTROL_LEN, control_length, decode_control_body, encode_control
 
@@ -114,13 +115,8 @@ class RecordsInbox:
         sock.setblocking(False)
         self._sock = sock
         if not self.deaf:
-            self._spawn(accept_each(loop, sock, lambda conn, addr: self._receive(loop, conn, addr), self._tasks))
+            keep_task(self._tasks, accept_each(loop, sock, functools.partial(self._receive, loop), self._tasks))
         return self.bind_host, sock.getsockname()[1]
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, addr: Any) -> None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import socket
@@ -20,7 +21,7 @@ from typing import Any
 
 from .auth import client_handshake, server_handshake
 from .errors import AuthenticationError, CollectiveTimeout, ConfigError, HetcclError, PeerLostError, ProtocolError
-from .netio import accept_each, read_control, tune_socket, write_control
+from .netio import accept_each, keep_task, read_control, tune_socket, write_control
 
 log = logging.getLogger("hetccl")
 
@@ -60,13 +61,8 @@ class StoreServer:
         sock.setblocking(False)
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._spawn(accept_each(loop, sock, lambda conn, peer: self._serve(loop, conn, peer), self._tasks))
+        keep_task(self._tasks, accept_each(loop, sock, functools.partial(self._serve, loop), self._tasks))
         return self.port
-
-    def _spawn(self, coro: Any) -> None:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
 
     async def _serve(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: Any) -> None:
         try:

@@ -11,6 +11,7 @@ the job goes on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable
@@ -53,7 +54,7 @@ class PeerListener:
         self._sock = sock
         loop = asyncio.get_running_loop()
         self._accept_task = loop.create_task(
-            accept_each(loop, sock, lambda conn, addr: self._accept_one(loop, conn, addr), self._handshakes))
+            accept_each(loop, sock, functools.partial(self._accept_one, loop), self._handshakes))
         return 0 if self.unix_name is not None else sock.getsockname()[1]
 
     def incoming(self, peer: int, lane: int = 0) -> asyncio.Future:
