@@ -34,7 +34,7 @@ from .errors import ConfigError, HetcclError
 from .gpu import dispatch, pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
-from .gpu.runtime import as_tensor, divide_inplace, stream_of, torch_mod, use_device, wait_event
+from .gpu.runtime import as_tensor, divide_inplace, reduce_inplace, stream_of, torch_mod, use_device, wait_event
 from .group import Group, Mem
 from .transports import registry
 from .wire import CollOp
@@ -95,6 +95,9 @@ def _deadline(group: Group) -> float:
     return asyncio.get_running_loop().time() + group.settings.timeout
 
 
+_ORDERED_INFLIGHT = 3  # chunks of an ordered all_reduce whose leaders' exchanges run at once (staging's slots)
+
+
 def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
     """The byte ranges of the leaders' chunked all_reduce: the same on every leader, whatever its memory."""
     step = staging.STAGE_CHUNK // isz
@@ -151,7 +154,7 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
             # the same bytes as gathering each chunk, but its chains overlap the copies and the wire better); a
             # CPU leader reduces on the host anyway, and then every leader runs the host all_reduce (the same
             # collectives)
-            on_device = all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+            on_device = _gpu_leaders(lay)
             if on_device and staging.DEVICE_RING:
                 await lay.leaders.flat_device_ring_all_reduce(b, inner)
             else:
@@ -659,17 +662,79 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     if isl.comm is not None:
         isl.run("reduce", t, 0, inner)
     stage = body = None
-    if isl.leader:
+    if isl.leader and _gpu_leaders(lay):
+        stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop)
+    elif isl.leader:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
-        pieces = _chunks(b.count, b.dtype.itemsize)
-        stage.to_host(t, 0, pieces)
-        stage.from_host(t, 0, pieces)
+        pieces = streamorder.contiguous(0, _chunks(b.count, b.dtype.itemsize))
+        stage.to_host(t, pieces)
+        stage.from_host(t, pieces)
         stage.seal()
         host = _host(stage, b, 0, b.count)
         body = lambda: _leaders_all_reduce_host(group, lay, host, rop, stage)  # noqa: E731
     if isl.comm is not None:
         isl.run("broadcast", t, 0)
     return stage, body, (CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
+
+
+def _gpu_leaders(lay: Layout) -> bool:
+    """Every island leader holds a GPU (from the layout alone: every leader decides alike)."""
+    return all(vendor_of(lay.labels[m[0]]) is not None for m in lay.islands)
+
+
+def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, t: Any,
+                                       rop: ReduceOp) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    """The leaders' step of an ordered all_reduce where every leader holds a GPU, as the loop's staged
+    all_reduce with its reduction on the device: per chunk, the leaders all_gather their copies through pinned
+    host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the k blocks back
+    and reduces them in leader order, so that every leader computes the same bits. The host does no arithmetic,
+    and a few chunks' exchanges are in flight at once."""
+    k, me = lay.leaders.size, lay.leaders.rank
+    inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    isz = t.element_size()
+    chunks = _chunks(t.numel(), isz)
+    stage = streamorder.Stage(words, stream, k * t.numel() * isz, isl.later)
+    stage.to_host(t, [[(lo, k * lo + me * (hi - lo), hi - lo)] for lo, hi in chunks])
+    scratch = isl.empty_like(t, k * max(hi - lo for lo, hi in chunks) // isz)  # reused: the stream is in order
+    flat = t.view(-1)
+
+    def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
+        lo, hi = chunks[j]
+        n = (hi - lo) // isz
+        dst = flat[lo // isz: hi // isz]
+        dst.copy_(scratch[:n])
+        for r in range(1, k):
+            reduce_inplace(dst, scratch[r * n:(r + 1) * n], inner)
+        if rop == ReduceOp.AVG:
+            divide_inplace(dst, group.size)
+
+    stage.from_host(scratch, [[(0, k * lo, k * (hi - lo))] for lo, hi in chunks], then=reduce_chunk)
+    stage.seal()
+    dtype = as_device_buf(t).dtype
+
+    async def body() -> None:
+        inflight: list[tuple[int, asyncio.Future]] = []
+        try:
+            for j, (lo, hi) in enumerate(chunks):
+                await stage.arrived(j, _deadline(group), "cross-island all_reduce")
+                n = (hi - lo) // isz
+                every = Buf(stage.host[k * lo:k * hi], dtype, k * n)
+                if len(inflight) == _ORDERED_INFLIGHT:
+                    i, first = inflight.pop(0)
+                    await first
+                    stage.done(i)
+                inflight.append((j, asyncio.ensure_future(
+                    lay.leaders.flat_all_gather(every, _sl(every, me * n, (me + 1) * n)))))
+                await asyncio.sleep(0)  # chunk j's collective takes its number before chunk j + 1's
+            for i, fut in inflight:
+                await fut
+                stage.done(i)
+            inflight.clear()
+        finally:
+            for _, fut in inflight:
+                fut.cancel()
+
+    return stage, body
 
 
 def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, out: DeviceBuf,
@@ -692,8 +757,8 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     stage = body = None
     if isl.leader:
         stage = streamorder.Stage(words, stream, every.numel() * isz, isl.later)
-        stage.to_host(mine, lo * isz, [(0, mine.numel() * isz)])
-        stage.from_host(every, 0, [(0, every.numel() * isz)])
+        stage.to_host(mine, streamorder.contiguous(lo * isz, [(0, mine.numel() * isz)]))
+        stage.from_host(every, streamorder.contiguous(0, [(0, every.numel() * isz)]))
         stage.seal()
         whole = Buf(stage.host[:every.numel() * isz], out.dtype, every.numel())
         block = every.numel() // len(lay.islands)
@@ -738,8 +803,8 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     if isl.leader:
         nb = acc.numel() * isz
         stage = streamorder.Stage(words, stream, nb + blk * isz, isl.later)
-        stage.to_host(acc, 0, [(0, nb)])
-        stage.from_host(region, nb, [(0, blk * isz)])
+        stage.to_host(acc, streamorder.contiguous(0, [(0, nb)]))
+        stage.from_host(region, streamorder.contiguous(nb, [(0, blk * isz)]))
         stage.seal()
         whole = Buf(stage.host[:nb], out.dtype, acc.numel())
         mine = Buf(stage.host[nb:nb + blk * isz], out.dtype, blk)
@@ -770,11 +835,11 @@ def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream:
     stage = body = None
     if isl.leader:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
-        whole = [(0, b.nbytes)]
+        whole = streamorder.contiguous(0, [(0, b.nbytes)])
         if mine:
-            stage.to_host(t, 0, whole)
+            stage.to_host(t, whole)
         else:
-            stage.from_host(t, 0, whole)
+            stage.from_host(t, whole)
         stage.seal()
         host = _host(stage, b, 0, b.count)
 

@@ -269,12 +269,21 @@ async def until(words: Words, word: tuple[int, int], deadline: float, what: str,
             fut.cancel()  # the watcher drops it
 
 
+Copy = tuple[int, int, int]  # (byte offset in the device tensor, byte offset in the pinned buffer, bytes)
+
+
+def contiguous(at: int, ranges: list[tuple[int, int]]) -> list[list[Copy]]:
+    """Pieces of one copy each: bytes [a, b) of the tensor <-> bytes [at + a, at + b) of the pinned buffer."""
+    return [[(a, at + a, b - a)] for a, b in ranges]
+
+
 class Stage:
     """One collective's device side, enqueued by the caller's thread on its stream, and the host side's view
     of it: `host` (a pinned uint8 array), `arrived(i)` (piece i of the copies to the host has landed) and
-    `done(j)` (piece j may be copied back). `to_host`, `from_host` and `seal` are called once each, in that
-    order (either copy may have no pieces). Each takes its words at once and hands what it enqueues to `later`,
-    so that the host side may start before the device side is enqueued."""
+    `done(j)` (piece j may be copied back). A piece is a list of copies under one word. `to_host`, `from_host`
+    and `seal` are called once each, in that order (either copy may have no pieces). Each takes its words at
+    once and hands what it enqueues to `later`, so that the host side may start before the device side is
+    enqueued."""
 
     def __init__(self, words: Words, stream: Any, nbytes: int, later: Callable[[Callable[[], None]], None]):
         self.words, self.stream = words, stream
@@ -284,30 +293,33 @@ class Stage:
         self._releases: list[tuple[int, int]] = []
         self._later = later
 
-    def to_host(self, src: Any, at: int, pieces: list[tuple[int, int]]) -> None:
-        """Copy bytes [a, b) of the contiguous device tensor src to host[at + a: at + b] for each piece, each
-        then announced by its own word."""
+    def to_host(self, src: Any, pieces: list[list[Copy]]) -> None:
+        """The copies of each piece from the contiguous device tensor src to the pinned buffer, then its word."""
         words = self.words.take(len(pieces))
         self._arrivals += words
 
         def enqueue() -> None:  # copies by address: no torch dispatch per piece (not measurably faster on an H100)
-            ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr + at, src.data_ptr()
-            for (a, b), w in zip(pieces, words, strict=True):
-                ops.copy(host + a, dev + a, b - a, stream)
+            ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr, src.data_ptr()
+            for piece, w in zip(pieces, words, strict=True):
+                for d, h, nb in piece:
+                    ops.copy(host + h, dev + d, nb, stream)
                 self.words.signal(stream, w)
         self._later(enqueue)
 
-    def from_host(self, dst: Any, at: int, pieces: list[tuple[int, int]]) -> None:
-        """For each piece: wait for its word, then copy host[at + a: at + b] into bytes [a, b) of the contiguous
-        device tensor dst."""
+    def from_host(self, dst: Any, pieces: list[list[Copy]], then: Callable[[int], None] | None = None) -> None:
+        """For each piece j: wait for its word, then its copies from the pinned buffer into the contiguous device
+        tensor dst, then `then(j)` (which may enqueue kernels on the stream: it runs under it)."""
         words = self.words.take(len(pieces))
         self._releases += words
 
         def enqueue() -> None:
-            ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr + at, dst.data_ptr()
-            for (a, b), w in zip(pieces, words, strict=True):
+            ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr, dst.data_ptr()
+            for j, (piece, w) in enumerate(zip(pieces, words, strict=True)):
                 self.words.hold(stream, w)
-                ops.copy(dev + a, host + a, b - a, stream)
+                for d, h, nb in piece:
+                    ops.copy(dev + d, host + h, nb, stream)
+                if then is not None:
+                    then(j)
         self._later(enqueue)
 
     def seal(self) -> None:
