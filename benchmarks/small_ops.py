@@ -11,7 +11,8 @@ overhead over the async API. Through torch.distributed on CPU tensors (one backe
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch hetccl
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/small_ops.py --torch gloo
 
-CUDA tensors (`--device cuda`: rank i on GPU i % count, one device synchronize after each repetition's loop):
+CUDA tensors (`--device cuda`: rank i on GPU i % count; timed back to back, one device synchronize after each
+repetition's loop, and waited for one by one, a synchronize after each, as a loss read with `.item()`):
 `TEST_ISLANDS=nvidia-0,nvidia-1` makes each rank its own island (indexed by rank, as the tests do), with
 `HETCCL_HOST=h0,h1` each its own host; `BENCH_NCCL_HOSTID=1` gives NCCL's ranks their own `NCCL_HOSTID` (two
 hosts over its sockets, so two ranks may share a GPU).
@@ -74,18 +75,24 @@ def torch_job(a: argparse.Namespace) -> None:
     for _ in range(200):
         dist.all_reduce(t)
     sync()
-    times = []
+    # back to back (one synchronize per loop), and on a GPU also each op waited for (a loss read with .item())
+    kinds = {"back to back": a.iters} | ({"waited each": max(1, a.iters // 4)} if a.device == "cuda" else {})
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(a.reps):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(a.iters):
-            dist.all_reduce(t)
-        sync()
-        times.append((time.perf_counter() - t0) / a.iters * 1e6)
+        for kind, iters in kinds.items():
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(t)
+                if kind == "waited each":
+                    sync()
+            sync()
+            times[kind].append((time.perf_counter() - t0) / iters * 1e6)
     if dist.get_rank() == 0:
-        print(f"torch {a.torch} ({a.device}): median {statistics.median(times):.1f} us/op "
-              f"({' '.join(f'{x:.1f}' for x in times)}; {a.bytes} B, {dist.get_world_size()} ranks)", flush=True)
+        for kind, v in times.items():
+            print(f"torch {a.torch} ({a.device}, {kind}): median {statistics.median(v):.1f} us/op "
+                  f"({' '.join(f'{x:.1f}' for x in v)}; {a.bytes} B, {dist.get_world_size()} ranks)", flush=True)
     dist.destroy_process_group()
 
 
