@@ -89,16 +89,17 @@ class Communicator(Group):
             return await self._flat_in_turn(name, lambda: getattr(self, f"flat_{name}")(*args))
         await hierarchical.run(self, name, *args)
 
-    def first_hop(self, buf: Any) -> np.ndarray | None:
-        """What all_reduce makes of this rank's values of `buf` (host memory) where they cross between islands
-        under HETCCL_CROSS_COMPRESS: a new array of buf's dtype, or None where they cross as they are (nothing
-        is compressed for this buffer, or this rank's island has several ranks). An error-feedback hook keeps
-        buf minus it for the next step (hetccl.torch.hooks.error_feedback_hook)."""
+    def first_hop(self, buf: Any) -> Any:
+        """What all_reduce makes of this rank's values of `buf` where they cross between islands under
+        HETCCL_CROSS_COMPRESS: a new array of buf's dtype (host memory) or a new tensor (device memory), or None
+        where they cross as they are (nothing is compressed for this buffer, the zero-copy link carries it, or
+        this rank's island has several ranks). An error-feedback hook keeps buf minus it for the next step
+        (hetccl.torch.hooks.error_feedback_hook)."""
         b = _mem(buf, "buf", writable=False)
-        if self._islands == 1 or not isinstance(b, Buf):
+        if self._islands == 1:
             return None
         got = hierarchical.first_hop(self, b)
-        return None if got is None else got.view(b.typed().dtype)
+        return None if got is None or not isinstance(b, Buf) else got.view(b.typed().dtype)
 
     # ---- collectives ---------------------------------------------------------------------------------
     def fast_all_reduce(self, arr: np.ndarray, op: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:

@@ -24,18 +24,8 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, DType, ReduceOp
-from .errors import ConfigError
 
 WIRES: dict[str, tuple[int, int]] = {"bf16": (1, 2), "fp16": (2, 2), "fp8": (3, 1)}  # -> (HCCL_WIRE_*, bytes)
-
-
-def check_islands(settings: Any, labels: list[str], vendor_of: Any) -> None:
-    """Refuse the setting on a communicator whose islands include a GPU island: the device paths between
-    leaders (the zero-copy link, staging, the device ring) do not compress yet, and every leader must."""
-    if settings.cross_compress != "none" and len(set(labels)) > 1 and any(vendor_of(x) for x in labels):
-        gpus = sorted({x for x in labels if vendor_of(x)})
-        raise ConfigError(f"HETCCL_CROSS_COMPRESS={settings.cross_compress} compresses between CPU islands only so "
-                          f"far, and this communicator has GPU islands ({', '.join(gpus)}); unset it on every rank")
 
 
 def wire_for(settings: Any, dtype: DType | None, nbytes: int) -> int:

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import compress, native
-from .dtypes import Buf, ReduceOp, as_buf
+from .dtypes import Buf, DType, ReduceOp, as_buf
 from .errors import ConfigError, HetcclError
-from .gpu import dispatch, pairlink, ringlink, staging, streamorder
+from .gpu import codec, dispatch, pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
 from .gpu.runtime import as_tensor, divide_inplace, reduce_inplace, stream_of, torch_mod, use_device, wait_event
@@ -71,7 +71,6 @@ async def build_layout(group: Group) -> Layout:
     islands = list(order.values())
     mine = next(i for i, m in enumerate(islands) if group.rank in m)
     lay = Layout(labels, islands, mine)
-    compress.check_islands(group.settings, labels, vendor_of)
     if len(islands) > 1 and all(len(m) == 1 for m in islands):
         lay.leaders = group  # every island is one rank: everybody leads
     elif len(islands) > 1:  # collective: every rank builds the same layout at the same point
@@ -104,15 +103,35 @@ def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
     return [(off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step)]
 
 
-def first_hop(group: Group, b: Buf) -> np.ndarray | None:
-    """b's bytes as all_reduce's leaders' step between islands sends them (compress.round_trip), or None where
-    it sends them as they are (no compression for this buffer, or islands of several ranks, whose leaders send
-    their island's sum rather than this rank's values)."""
+def first_hop(group: Group, b: Mem) -> Any:
+    """b's values as all_reduce's leaders' step between islands sends them (compress.round_trip for host memory,
+    its device twin codec.round_trip, the same bits, for device memory), or None where it sends them as they
+    are (no compression for this buffer, the zero-copy link between GPUs of one host, or islands of several
+    ranks, whose leaders send their island's sum rather than this rank's values)."""
     lay = group.island_layout
     if lay is None or lay.leaders is None or any(len(m) > 1 for m in lay.islands):
         return None
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
-    return compress.round_trip(b, wire, _chunks(b.count, b.dtype.itemsize), lay.leaders.size) if wire else None
+    if not wire:
+        return None
+    chunks = _chunks(b.count, b.dtype.itemsize)
+    if isinstance(b, DeviceBuf):
+        if _link_joins(group, lay):
+            return None
+        isz = b.dtype.itemsize
+        return codec.round_trip(as_tensor(b), wire, [(lo // isz, hi // isz) for lo, hi in chunks], lay.leaders.size)
+    return compress.round_trip(b, wire, chunks, lay.leaders.size)
+
+
+def _link_joins(group: Group, lay: Layout) -> bool:
+    """Whether the leaders' steps between these GPU leaders take the zero-copy link (_zero_copy_link's
+    conditions; a link found unusable when made is False)."""
+    leaders = lay.leaders
+    if lay.link is False or leaders.size < 2 or registry.device_link(leaders.size) is None:
+        return False
+    g, fab = leaders.members, group.fabric
+    return all(fab.topology.same_host(g[0], x) for x in g[1:]) and \
+        all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g)
 
 
 async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> None:
@@ -143,10 +162,18 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
         await lay.island_comm.flat_reduce(b, 0, inner)
     if lay.leaders is not None and lay.leaders.size > 1:
         small = b.nbytes <= staging.SMALL_BYTES
+        wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
         link = await _zero_copy_link(group, lay, t) if not small or staging.PAIRLINK_SMALL else None
         if link is not None and (not small or link.ops is not None):
-            # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop)
+            # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop); it
+            # crosses no wire, so nothing is compressed on it
             await link.all_reduce(t, inner, stream, _deadline(group))
+        elif wire and _gpu_leaders(lay):  # the ordered schedule's collectives (_plan_leaders_all_reduce_on_device)
+            elems = [(lo // b.dtype.itemsize, hi // b.dtype.itemsize) for lo, hi in _chunks(b.count, b.dtype.itemsize)]
+            await staging.packed_all_reduce(lay.leaders, t, inner, stream, _deadline(group),
+                                            codec.LeaderChunks(elems, lay.leaders.size, wire))
+        elif wire:  # a CPU leader among them: the host's compressed schedule on a host copy
+            await staging.staged([b], [0], lambda hb: _leaders_all_reduce_host(group, lay, hb[0], inner))
         elif small:
             await staging.small_all_reduce(lay.leaders, t, inner, stream, _deadline(group))
         else:
@@ -177,8 +204,15 @@ async def _leaders_all_reduce_host(group: Group, lay: Layout, b: Buf, rop: Reduc
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     isz = b.dtype.itemsize
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
-    if wire:  # CPU leaders only (compress.check_islands): never a stage
-        await compress.all_reduce(lay.leaders, b, inner, wire, _chunks(b.count, isz))
+    if wire:  # compressed whole (its pieces are its own): a stage's copies all land first, and go back after
+        chunks = _chunks(b.count, isz)
+        for i in range(len(chunks) if stage is not None else 0):
+            await stage.arrived(i, _deadline(group), "cross-island all_reduce")
+        await compress.all_reduce(lay.leaders, b, inner, wire, chunks)
+        for i in range(len(chunks) if stage is not None else 0):
+            if rop == ReduceOp.AVG:
+                native.divide(b.data[chunks[i][0]:chunks[i][1]], b.dtype, group.size)
+            stage.done(i)
     for i, (lo, hi) in enumerate([] if wire else _chunks(b.count, isz)):
         part = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz, b.obj)
         if stage is not None:
@@ -343,6 +377,9 @@ async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, m
     """The leaders' all_gather of their islands' blocks (`mine`, possibly `every`'s own block) into `every`:
     over the zero-copy pair link, else the staged ring on the devices, else hetccl's host algorithms."""
     leaders = lay.leaders
+    o, i = v.mem(every), v.mem(mine)
+    wire = compress.wire_for(group.settings, o.dtype, o.nbytes)
+    piece = staging.STAGE_CHUNK // (o.dtype.itemsize * leaders.size)  # a stage chunk crosses per piece
     if _device_leaders(lay, v):
         link = await _zero_copy_link(group, lay, every)
         if link is not None and link.ops is not None and getattr(link, "all_gather", None) is not None:
@@ -351,10 +388,9 @@ async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, m
             if own.data_ptr() != mine.data_ptr():
                 v.copy(own, mine)
             return await link.all_gather(every, v.stream, _deadline(group))
-        return await leaders.flat_device_ring_all_gather(v.mem(every), v.mem(mine))
-    o, i = v.mem(every), v.mem(mine)
-    wire = compress.wire_for(group.settings, o.dtype, o.nbytes)
-    piece = staging.STAGE_CHUNK // (o.dtype.itemsize * leaders.size)  # a stage chunk crosses per piece
+        if wire:  # the host's compressed schedule, as the ordered schedule's host step runs it
+            return await staging.staged([o, i], [0], lambda h: compress.all_gather(leaders, h[0], h[1], wire, piece))
+        return await leaders.flat_device_ring_all_gather(o, i)
     await (compress.all_gather(leaders, o, i, wire, piece) if wire else leaders.flat_all_gather(o, i))
 
 
@@ -362,14 +398,17 @@ async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: A
     """The leaders' reduce_scatter of their islands' sums (`acc`, only read) into each island's `region`: each
     leader moves (k-1)/k of acc, not an all_reduce of it."""
     leaders = lay.leaders
+    o, i = v.mem(region), v.mem(acc)
+    wire = compress.wire_for(group.settings, i.dtype, i.nbytes)
+    piece = staging.STAGE_CHUNK // (i.dtype.itemsize * leaders.size)
     if _device_leaders(lay, v):
         link = await _zero_copy_link(group, lay, acc)
         if link is not None and link.ops is not None and getattr(link, "reduce_scatter", None) is not None:
             return await link.reduce_scatter(region, acc, op, v.stream, _deadline(group))
-        return await leaders.flat_device_ring_reduce_scatter(v.mem(region), v.mem(acc), op)
-    o, i = v.mem(region), v.mem(acc)
-    wire = compress.wire_for(group.settings, i.dtype, i.nbytes)
-    piece = staging.STAGE_CHUNK // (i.dtype.itemsize * leaders.size)
+        if wire:  # the host's compressed schedule, as the ordered schedule's host step runs it
+            return await staging.staged([o, i], [0],
+                                        lambda h: compress.reduce_scatter(leaders, h[0], h[1], op, wire, piece))
+        return await leaders.flat_device_ring_reduce_scatter(o, i, op)
     await (compress.reduce_scatter(leaders, o, i, op, wire, piece) if wire
            else leaders.flat_reduce_scatter(o, i, op))
 
@@ -656,13 +695,19 @@ async def _host_side(group: Group, name: str, stage: Any, body: Callable[[], Awa
 
 def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, b: DeviceBuf,
                      rop: ReduceOp) -> Planned:
-    """Reduce to the island's leader, the leaders' chunked host all_reduce (AVG divided there), broadcast."""
+    """Reduce to the island's leader, the leaders' all_reduce (gathered and reduced on the devices between GPU
+    leaders above HETCCL_CROSS_SMALL_BYTES or compressed, else the chunked host all_reduce, AVG divided there),
+    broadcast."""
     t = as_tensor(b)
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     if isl.comm is not None:
         isl.run("reduce", t, 0, inner)
     stage = body = None
-    if isl.leader and _gpu_leaders(lay):
+    # up to HETCCL_CROSS_SMALL_BYTES the host reduces, as the loop's schedule: one copy each way and no kernels
+    # (on one GPU time-sliced by two ranks each burst of device work costs a context switch); compressed, the
+    # devices pack and reduce at every size, as the loop's schedule (_device_all_reduce)
+    wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
+    if isl.leader and _gpu_leaders(lay) and (b.nbytes > staging.SMALL_BYTES or wire):
         stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop)
     elif isl.leader:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
@@ -688,37 +733,54 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     all_reduce with its reduction on the device: per chunk, the leaders all_gather their copies through pinned
     host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the k blocks back
     and reduces them in leader order, so that every leader computes the same bits. The host does no arithmetic,
-    and a few chunks' exchanges are in flight at once."""
+    and a few chunks' exchanges are in flight at once. Under HETCCL_CROSS_COMPRESS the stream packs each chunk
+    before its copy and unpacks the k blocks before reducing them (gpu/codec.py): the wire carries the packed
+    bytes."""
     k, me = lay.leaders.size, lay.leaders.rank
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     isz = t.element_size()
-    chunks = _chunks(t.numel(), isz)
-    stage = streamorder.Stage(words, stream, k * t.numel() * isz, isl.later)
-    stage.to_host(t, [[(lo, k * lo + me * (hi - lo), hi - lo)] for lo, hi in chunks])
-    scratch = isl.empty_like(t, k * max(hi - lo for lo, hi in chunks) // isz)  # reused: the stream is in order
     flat = t.view(-1)
+    elems = [(lo // isz, hi // isz) for lo, hi in _chunks(t.numel(), isz)]
+    dtype = as_device_buf(t).dtype
+    wire = compress.wire_for(group.settings, dtype, t.numel() * isz)
+    packed = codec.LeaderChunks(elems, k, wire) if wire else None
+    # what one leader sends of each chunk: its bytes, or its packed bytes; `sizes` and `starts` in bytes
+    sizes = packed.sizes if packed else [(hi - lo) * isz for lo, hi in elems]
+    starts = packed.starts if packed else [lo * isz for lo, _ in elems]
+    src = t
+    if packed is not None:
+        src = isl.empty_like(flat.view(torch_mod().uint8), packed.total)
+        isl.later(lambda: packed.pack(src, flat))
+    stage = streamorder.Stage(words, stream, k * sum(sizes), isl.later)
+    stage.to_host(src, [[(at, k * at + me * size, size)] for at, size in zip(starts, sizes, strict=True)])
+    scratch = isl.empty_like(flat.view(torch_mod().uint8), k * max(sizes))  # reused: the stream is in order
 
     def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
-        lo, hi = chunks[j]
-        n = (hi - lo) // isz
-        dst = flat[lo // isz: hi // isz]
-        dst.copy_(scratch[:n])
-        for r in range(1, k):
-            reduce_inplace(dst, scratch[r * n:(r + 1) * n], inner)
+        if packed is not None:
+            packed.reduce(j, flat, scratch, inner, reduce_inplace)
+        else:
+            lo, hi = elems[j]
+            every = scratch[:k * sizes[j]].view(t.dtype)
+            n = hi - lo
+            dst = flat[lo:hi]
+            dst.copy_(every[:n])
+            for r in range(1, k):
+                reduce_inplace(dst, every[r * n:(r + 1) * n], inner)
         if rop == ReduceOp.AVG:
-            divide_inplace(dst, group.size)
+            divide_inplace(flat[elems[j][0]:elems[j][1]], group.size)
 
-    stage.from_host(scratch, [[(0, k * lo, k * (hi - lo))] for lo, hi in chunks], then=reduce_chunk)
+    stage.from_host(scratch, [[(0, k * at, k * size)] for at, size in zip(starts, sizes, strict=True)],
+                    then=reduce_chunk)
     stage.seal()
-    dtype = as_device_buf(t).dtype
+    wire_dtype = DType.UINT8 if packed is not None else dtype
 
     async def body() -> None:
         inflight: list[tuple[int, asyncio.Future]] = []
         try:
-            for j, (lo, hi) in enumerate(chunks):
+            for j, (at, size) in enumerate(zip(starts, sizes, strict=True)):
                 await stage.arrived(j, _deadline(group), "cross-island all_reduce")
-                n = (hi - lo) // isz
-                every = Buf(stage.host[k * lo:k * hi], dtype, k * n)
+                n = size // wire_dtype.itemsize
+                every = Buf(stage.host[k * at:k * (at + size)], wire_dtype, k * n)
                 if len(inflight) == _ORDERED_INFLIGHT:
                     i, first = inflight.pop(0)
                     await first

@@ -341,7 +341,8 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "hetccl.gpu.staging", agree=True),
     _P("HETCCL_CROSS_COMPRESS", "choice", "none", "`bf16`, `fp16` or `fp8` (e4m3, a scale per 1024 values): the bytes "
        "of all_reduce, reduce_scatter and all_gather of floats that cross between island leaders are cast to it, "
-       "then reduced in the caller's dtype; inside islands nothing changes (CPU islands so far)", "hetccl.compress",
+       "then reduced in the caller's dtype; inside islands, and on the zero-copy link between GPUs of one host, "
+       "nothing changes", "hetccl.compress",
        choices=("none", "bf16", "fp16", "fp8"), field="cross_compress", agree=True),
     _P("HETCCL_CROSS_COMPRESS_MIN", "size", 64 << 10, "collectives smaller than this stay uncompressed under "
        "HETCCL_CROSS_COMPRESS (a loss or a metric stays exact)", "hetccl.compress", field="cross_compress_min",

@@ -102,3 +102,32 @@ def test_error_feedback_keeps_ddp_on_the_uncompressed_loss() -> None:
            "HETCCL_CROSS_COMPRESS_MIN": "0"}
     proc = run_torchrun(2, "error_feedback", env=env, timeout=140)
     print(proc.stdout)
+
+
+@pytest.mark.parametrize("wire", [BF16, FP16, FP8])
+def test_the_device_codec_packs_the_host_codecs_bytes(wire: int) -> None:
+    """gpu/codec.py (the GPU leaders' packing, run here on CPU tensors: the same torch operations) against
+    native.pack byte for byte, groups and their scales included, and its round trip against compress.round_trip
+    in blocks of 2 and 3 leaders."""
+    torch = pytest.importorskip("torch")
+    from hetccl import compress
+    from hetccl.dtypes import Buf
+    from hetccl.gpu import codec
+
+    rng = np.random.default_rng(wire)
+    for n in (1, 7, GROUP, 1500, 70_000):
+        x = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+        x[:min(n, 5)] = [0.0, 3e-45, -1e-40, 448.0, -0.0][:min(n, 5)]
+        want = np.zeros(native.wire_size(n, wire), np.uint8)
+        native.pack(want, x, n, DType.FLOAT32, wire)
+        got = torch.zeros(codec.wire_size(n, wire), dtype=torch.uint8)
+        codec.pack(got, torch.from_numpy(x), wire)
+        np.testing.assert_array_equal(got.numpy(), want, f"n={n}")
+        back = np.zeros(n, np.float32)
+        native.unpack(back, want, n, DType.FLOAT32, wire)
+        np.testing.assert_array_equal(codec.unpack(torch.from_numpy(want), n, wire).numpy(), back)
+        for k in (2, 3):
+            pieces = [(0, n // 2), (n // 2, n)]
+            host = compress.round_trip(Buf(x.view(np.uint8), DType.FLOAT32, n), wire,
+                                       [(a * 4, z * 4) for a, z in pieces], k).view(np.float32)
+            np.testing.assert_array_equal(codec.round_trip(torch.from_numpy(x), wire, pieces, k).numpy(), host)

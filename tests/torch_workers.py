@@ -400,12 +400,67 @@ def case_ddp(backend: str, out_path: str, hook: str = "none") -> None:
     dist.destroy_process_group()
 
 
+def case_compressed() -> None:
+    """HETCCL_CROSS_COMPRESS on this rank's tensors through torch (the GPU tests' paths; TEST_CPU_RANKS: ranks
+    on CPU tensors, a CPU island beside GPU ones): bf16 and fp8 in turn (the settings switched on every rank at
+    the same point), all_reduce (sum, avg, max), reduce_scatter and all_gather of float32 and bfloat16 against an
+    fp64 reference within the wire's bound (tests/workers.py), and that the bytes were cast where a wire carries
+    them (1 + 2^-12 is in neither format), or not on the zero-copy link (TEST_COMPRESS_LINK=1)."""
+    import numpy as np
+    from workers import WIRE_BYTES, _lossy, _within
+
+    dev = _init()
+    r, n = dist.get_rank(), dist.get_world_size()
+    settings = dist.distributed_c10d._get_default_group()._get_backend(dev).comm.async_comm.settings
+    if str(r) in os.environ.get("TEST_CPU_RANKS", "").split(","):
+        dev = torch.device("cpu")
+    link = os.environ.get("TEST_COMPRESS_LINK") == "1"
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+    def tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.float32)).to(dev, getattr(torch, dtype))
+
+    def host(t: torch.Tensor) -> np.ndarray:
+        return t.float().cpu().numpy()
+
+    for wire in ("bf16", "fp8"):
+        settings.cross_compress = wire
+        for dtype in ("float32", "bfloat16"):
+            lossy = None if link or WIRE_BYTES[wire] >= (4 if dtype == "float32" else 2) else wire
+            for count in (7, 20_000, 300_000):
+                tag = f"{wire} {dtype} count={count}"
+                for op, rop in ops.items():
+                    ins = [_lossy(q, count, dtype, 0) for q in range(n)]
+                    t = tensor(ins[r], dtype)
+                    dist.all_reduce(t, rop)
+                    _within(host(t), ins, op, dtype, lossy, f"all_reduce {op} {tag}")
+                ins = [_lossy(q, n * count, dtype, 2) for q in range(n)]
+                out = torch.zeros(count, device=dev, dtype=getattr(torch, dtype))
+                dist.reduce_scatter_tensor(out, tensor(ins[r], dtype))
+                _within(host(out), [a[r * count:(r + 1) * count] for a in ins], "sum", dtype, lossy,
+                        f"reduce_scatter {tag}")
+                every = torch.zeros(n * count, device=dev, dtype=getattr(torch, dtype))
+                dist.all_gather_into_tensor(every, tensor(_lossy(r, count, dtype, 3), dtype))
+                for q in range(n):
+                    _within(host(every[q * count:(q + 1) * count]), [_lossy(q, count, dtype, 3)], "sum", dtype, lossy,
+                            f"all_gather {tag} block {q}")
+        odd = torch.full((300_000,), 1 + 2.0 ** -12, device=dev)
+        dist.all_reduce(odd)
+        want = n * (1 + 2.0 ** -12) if link else float(n)
+        assert bool((odd == want).all()), f"all_reduce {wire}: {odd[:3].tolist()}, want {want} (link {link})"
+    settings.cross_compress = "none"
+    dist.barrier()
+    print(f"rank {r}: compressed collectives within bound ({dev})", flush=True)
+    dist.destroy_process_group()
+
+
 def case_error_feedback() -> None:
     """HETCCL_CROSS_COMPRESS=fp8 with hetccl.torch.hooks.error_feedback_hook: DDP, 200 SGD steps of an
     ill-conditioned least squares (one feature in 64 at scale 1, the rest at 0.02: their gradients are small
-    beside the largest one of their fp8 group). The run without compression, with fp8 alone and with fp8 and
-    error feedback, one after the other (the communicator's settings switched on every rank at the same point):
-    feedback ends within 1 % of the uncompressed loss and closer to it than fp8 alone, which differs."""
+    beside the largest one of their fp8 group), on this rank's device. The run without compression, with fp8
+    alone and with fp8 and error feedback, one after the other (the communicator's settings switched on every
+    rank at the same point): feedback ends within 1 % of the uncompressed loss and closer to it than fp8 alone,
+    which differs."""
     from hetccl.torch import hooks
 
     dev = _init()
@@ -416,11 +471,12 @@ def case_error_feedback() -> None:
     scale = torch.where(torch.arange(d) % 64 == 0, 1.0, 0.02)
     x = torch.randn(rows * n, d, generator=gen) * scale
     y = x @ torch.randn(d, generator=gen)
+    x, y = x.to(dev), y.to(dev)  # the GPU tests: the device packs what crosses (gpu/codec.py)
     mine = slice(r * rows, (r + 1) * rows)
 
     def train(wire: str, hook: object, state: object) -> float:
         settings.cross_compress = wire
-        model = torch.nn.Linear(d, 1, bias=False)
+        model = torch.nn.Linear(d, 1, bias=False).to(dev)
         torch.nn.init.zeros_(model.weight)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register_comm_hook(state, hook)

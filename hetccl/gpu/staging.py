@@ -19,9 +19,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .. import params
-from ..dtypes import Buf, ReduceOp, as_buf
+from ..dtypes import Buf, DType, ReduceOp, as_buf
 from ..errors import CollectiveTimeout
 from .buffers import DeviceBuf
+from .codec import LeaderChunks
 from .runtime import as_tensor, copy_streams, lease, reduce_inplace, stream_of, torch_mod, use_device, wait_event
 
 # one chunk of the cross-island pipeline (the host all_reduce of a chunk stays on recursive doubling)
@@ -69,6 +70,36 @@ async def small_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, 
             back = torch.cuda.Event()
             back.record(stream)
         await wait_event(back, deadline, "host-to-device copy")  # the pinned buffer is free for the next call
+
+
+async def packed_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,
+                            chunks: LeaderChunks) -> None:
+    """all_reduce of device tensor t among GPU leaders with a compressed wire, the same collectives as the
+    ordered schedule's (one all_gather of packed bytes per chunk, in chunk order): the stream packs every chunk,
+    the packed bytes go through pinned host memory, and the stream unpacks and reduces them in leader order."""
+    torch = torch_mod()
+    k, me = leaders.size, leaders.rank
+    flat = t.view(-1)
+    with torch.cuda.stream(stream):
+        mine = torch.empty(chunks.total, dtype=torch.uint8, device=t.device)
+        chunks.pack(mine, flat)
+        host = torch.empty(k * chunks.total, dtype=torch.uint8, pin_memory=True)
+        for at, size in zip(chunks.starts, chunks.sizes, strict=True):
+            host[k * at + me * size:k * at + (me + 1) * size].copy_(mine[at:at + size], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    await wait_event(copied, deadline, "device-to-host staging")
+    arr = host.numpy()
+    for at, size in zip(chunks.starts, chunks.sizes, strict=True):
+        every = Buf(arr[k * at:k * (at + size)], DType.UINT8, k * size)
+        await leaders.flat_all_gather(every, Buf(arr[k * at + me * size:k * at + (me + 1) * size], DType.UINT8, size))
+    with torch.cuda.stream(stream):
+        back = host.to(t.device, non_blocking=True)
+        for j, at in enumerate(chunks.starts):
+            chunks.reduce(j, flat, back[k * at:k * (at + chunks.sizes[j])], op, reduce_inplace)
+        done = torch.cuda.Event()
+        done.record(stream)
+    await wait_event(done, deadline, "host-to-device staging")  # the pinned buffer is free once copied
 
 
 async def staged_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,

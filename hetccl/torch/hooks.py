@@ -66,15 +66,16 @@ def error_feedback_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.
     group = _group(state.group)
     buf = bucket.buffer()
     buf.div_(dist.get_world_size(group))
-    comm = getattr(group._get_backend(buf.device), "comm", None) if buf.device.type == "cpu" else None
+    comm = getattr(group._get_backend(buf.device), "comm", None)
     if comm is not None and buf.dtype == torch.float32 and buf.is_contiguous():
         key = bucket.index()
         kept = state.residuals.get(key)
         if kept is not None and kept.shape == buf.shape:  # DDP may rebuild its buckets after the first step
             buf.add_(kept)
-        sent = comm.async_comm.first_hop(buf.numpy())
+        # on the GPU the device packs and unpacks what would cross, on the current stream (gpu/codec.py)
+        sent = comm.async_comm.first_hop(buf if buf.is_cuda else buf.numpy())
         if sent is not None:
-            state.residuals[key] = buf - torch.from_numpy(sent)
+            state.residuals[key] = buf - (sent if buf.is_cuda else torch.from_numpy(sent))
         else:
             state.residuals.pop(key, None)
     work = dist.all_reduce(buf, group=group, async_op=True)

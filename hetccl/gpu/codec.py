@@ -1,0 +1,139 @@
+"""The compressed wire formats of HETCCL_CROSS_COMPRESS made on the device, byte for byte those of the host's
+codec (native/hetccl_native.h): bf16 or fp16 rounded to nearest even (overflow to inf), or fp8 e4m3 with a
+power-of-two float32 scale per group of 1024 values, every group's scale first, then the one-byte codes.
+
+A GPU leader packs what it sends and unpacks what it gets on its stream, so the host only moves bytes: the
+host's codec runs at a few GB/s a core, below what the wire between hosts carries once compressed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .runtime import torch_mod
+
+BF16, FP16, FP8 = 1, 2, 3  # HCCL_WIRE_*
+FP8_GROUP = 1024  # HCCL_FP8_GROUP
+FP8_MAX = 448.0
+
+
+def wire_size(count: int, wire: int) -> int:
+    """Bytes of `count` packed values (hccl_wire_size)."""
+    if wire == FP8:
+        return 4 * -(-count // FP8_GROUP) + count
+    return 2 * count
+
+
+def pack(dst: Any, src: Any, wire: int) -> None:
+    """dst (uint8, wire_size bytes) <- src's values (a contiguous float tensor), on the current stream."""
+    torch = torch_mod()
+    n = src.numel()
+    x = src.reshape(-1).float()  # the host codec widens to float32 first, float64 too
+    if wire != FP8:
+        dst[:2 * n].view(torch.bfloat16 if wire == BF16 else torch.float16).copy_(x)
+        return
+    groups = -(-n // FP8_GROUP)
+    mag = x.abs().nan_to_num_(0.0, 0.0, 0.0)  # the largest finite magnitude of each group
+    if groups * FP8_GROUP != n:
+        mag = torch.nn.functional.pad(mag, (0, groups * FP8_GROUP - n))
+    amax = mag.view(groups, FP8_GROUP).amax(1)
+    _, e = torch.frexp(amax / FP8_MAX)  # amax / 448 < 2^e
+    k = torch.where(torch.ldexp(torch.full_like(amax, FP8_MAX), e - 1) >= amax, e - 1, e)
+    k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)
+    one = torch.ones_like(amax)
+    dst[:4 * groups].view(torch.float32).copy_(torch.ldexp(one, k))
+    inv = torch.ldexp(one, -k).repeat_interleave(FP8_GROUP)[:n]
+    # x * inv is what the host codec rounds (the same float32 product); torch's cast to e4m3fn rounds to nearest
+    # even and makes inf and NaN the NaN code with the sign kept, as hccl_f2e4m3
+    dst[4 * groups:4 * groups + n].view(torch.float8_e4m3fn).copy_(x * inv)
+
+
+def unpack(src: Any, count: int, wire: int) -> Any:
+    """The `count` values packed in src (uint8, wire_size bytes) as a new float32 tensor, on the current stream
+    (the host codec decodes to float32 too; the caller casts to its dtype)."""
+    torch = torch_mod()
+    if wire != FP8:
+        return src[:2 * count].view(torch.bfloat16 if wire == BF16 else torch.float16).float()
+    groups = -(-count // FP8_GROUP)
+    scale = src[:4 * groups].view(torch.float32).repeat_interleave(FP8_GROUP)[:count]
+    return src[4 * groups:4 * groups + count].view(torch.float8_e4m3fn).float() * scale
+
+
+def _segments(count: int, wire: int, blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first value, end, byte offset) of each packed segment of `count` values split in `blocks` (fp8's groups
+    restart at each block, as the host codec packs block by block): one segment where that changes nothing."""
+    whole = wire != FP8 or all(a % FP8_GROUP == 0 for a, _ in blocks)
+    spans = [(0, count)] if whole else blocks
+    out, at = [], 0
+    for a, z in spans:
+        out.append((a, z, at))
+        at += -(-wire_size(z - a, wire) // 16) * 16  # 16-byte aligned: the scales are read as float32
+    return out
+
+
+def packed_size(count: int, wire: int, blocks: list[tuple[int, int]]) -> int:
+    """Bytes pack_blocks writes for `count` values split in `blocks`."""
+    a, z, at = _segments(count, wire, blocks)[-1]
+    return at + -(-wire_size(z - a, wire) // 16) * 16
+
+
+def pack_blocks(dst: Any, src: Any, wire: int, blocks: list[tuple[int, int]]) -> None:
+    """dst (uint8, packed_size bytes) <- the flat tensor src, each block's values as the host codec packs them."""
+    for a, z, at in _segments(src.numel(), wire, blocks):
+        pack(dst[at:at + wire_size(z - a, wire)], src[a:z], wire)
+
+
+def unpack_blocks(src: Any, count: int, wire: int, blocks: list[tuple[int, int]]) -> Any:
+    """The `count` values pack_blocks packed into src, as a new float32 tensor."""
+    parts = [unpack(src[at:at + wire_size(z - a, wire)], z - a, wire) for a, z, at in _segments(count, wire, blocks)]
+    return parts[0] if len(parts) == 1 else torch_mod().cat(parts)
+
+
+def round_trip(t: Any, wire: int, pieces: list[tuple[int, int]], k: int) -> Any:
+    """t's values as the first hop of a compressed all_reduce among k leaders carries them (compress.round_trip's
+    device twin): each piece (element ranges) packed in k blocks and unpacked, in t's dtype."""
+    torch = torch_mod()
+    flat = t.reshape(-1)
+    out = torch.empty_like(flat)
+    for lo, hi in pieces:
+        blocks = leader_blocks(hi - lo, k)
+        buf = torch.empty(packed_size(hi - lo, wire, blocks), dtype=torch.uint8, device=t.device)
+        pack_blocks(buf, flat[lo:hi], wire, blocks)
+        out[lo:hi].copy_(unpack_blocks(buf, hi - lo, wire, blocks))
+    return out.view_as(t)
+
+
+def leader_blocks(count: int, k: int) -> list[tuple[int, int]]:
+    """The k blocks of a chunk of `count` values (compress._blocks): a leader's values cross in these."""
+    blk = -(-count // k)
+    return [(min(j * blk, count), min((j + 1) * blk, count)) for j in range(k)]
+
+
+class LeaderChunks:
+    """The device side of a compressed all_reduce among k GPU leaders, chunk by chunk: each leader packs its
+    chunk (in k blocks, as compress.round_trip reads them) and sends those bytes to every other leader (an
+    all_gather through host memory), and each unpacks the k leaders' chunks and reduces them in leader order,
+    so that every leader computes the same bits and the host does no arithmetic. `chunks`: element ranges."""
+
+    def __init__(self, chunks: list[tuple[int, int]], k: int, wire: int):
+        self.chunks, self.k, self.wire = chunks, k, wire
+        self.blocks = [leader_blocks(hi - lo, k) for lo, hi in chunks]
+        self.sizes = [packed_size(hi - lo, wire, b) for (lo, hi), b in zip(chunks, self.blocks, strict=True)]
+        self.starts = [sum(self.sizes[:j]) for j in range(len(chunks))]  # in the packed buffer of one leader
+        self.total = sum(self.sizes)
+
+    def pack(self, dst: Any, flat: Any) -> None:
+        """dst (uint8, total bytes) <- every chunk of flat packed, on the current stream."""
+        for (lo, hi), blocks, at, size in zip(self.chunks, self.blocks, self.starts, self.sizes, strict=True):
+            pack_blocks(dst[at:at + size], flat[lo:hi], self.wire, blocks)
+
+    def reduce(self, j: int, flat: Any, every: Any, op: Any, reduce_inplace: Any) -> None:
+        """flat's chunk j <- the reduction (op, in flat's dtype, in leader order) of the k leaders' packed chunks
+        (every: uint8, k * sizes[j] bytes, leader r's at r * sizes[j]), on the current stream."""
+        (lo, hi), size, blocks = self.chunks[j], self.sizes[j], self.blocks[j]
+        dst = flat[lo:hi]
+        for r in range(self.k):
+            got = unpack_blocks(every[r * size:(r + 1) * size], hi - lo, self.wire, blocks)
+            if r == 0:
+                dst.copy_(got)
+            else:
+                reduce_inplace(dst, got.to(dst.dtype), op)
