@@ -13,6 +13,8 @@ Each variant is one `torchrun --standalone --nproc-per-node 2` job (environment:
 - "hetccl hosts" (hetccl): islands nvidia-0 / nvidia-1 and `HETCCL_HOST=h0,h1`: each rank its own host (TCP, or
   verbs where an RDMA device is active);
 - "hetccl link" (hetccl): islands nvidia-0 / nvidia-1 on one host: hetccl's zero-copy link between islands.
+- "hetccl hosts held", "hetccl link held": the same with `HETCCL_TORCH_STREAM_ORDER=0`; "hetccl hosts bf16",
+  "hetccl hosts fp8": hosts with `HETCCL_CROSS_COMPRESS` (not run unless named in --variants).
 
 With `--device cpu` (a smoke test of the same code, CPU tensors) the anchor is `gloo` (loopback TCP), the islands are
 cpu-0 / cpu-1 ("hetccl link" then has no GPU link: the islands meet over shared memory), the model is smaller and the
@@ -115,7 +117,11 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
                                              "HETCCL_TORCH_STREAM_ORDER": "0"},
                                   "hetccl hosts, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
             "hetccl link held": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_STREAM_ORDER": "0"},
-                                 "hetccl link, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits")}
+                                 "hetccl link, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
+            **{f"hetccl hosts {w}": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                                "HETCCL_CROSS_COMPRESS": w},
+                                     f"hetccl hosts, HETCCL_CROSS_COMPRESS={w}: the bytes between the hosts in {w}")
+               for w in ("bf16", "fp8")}}
 
 
 # ------------------------------------------------------------------------------------------------ worker
