@@ -83,9 +83,9 @@ class Communicator(Group):
         for b in bufs:
             if isinstance(b, DeviceBuf):
                 check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
-        if self._fast is not None and not isinstance(bufs[0], DeviceBuf):
-            # CPU islands of one rank on one host (fastpath.limit_for): the schedule would be the leaders' step
-            # alone on this very group, so it is the flat collective, fast path and all
+        if self.cpu_islands_of_one and self.settings.cross_compress == "none" and not isinstance(bufs[0], DeviceBuf):
+            # CPU islands of one rank each, uncompressed: the schedule would be the leaders' step alone on this
+            # very group, so it is the flat collective (and its fast path on one host: fastpath.limit_for)
             return await self._flat_in_turn(name, lambda: getattr(self, f"flat_{name}")(*args))
         await hierarchical.run(self, name, *args)
 

@@ -69,7 +69,6 @@ from . import observe as _obs
 from .dtypes import _FAST as _NP_DTYPES
 from .dtypes import DType, ReduceOp, parse_op
 from .errors import HetcclError, PeerLostError, TransportError
-from .gpu.dispatch import vendor_of
 from .matching import mismatch_error
 from .shmseg import Segment
 from .wire import CollOp, Fingerprint
@@ -108,7 +107,7 @@ def limit_for(group: Any) -> int:
         return 0
     # several islands: only CPU islands of one rank each, whose collectives are then all this group's own flat
     # ones (Communicator._across); elsewhere their steps run on other groups, or on devices
-    if group._islands != 1 and (group._islands != group.size or any(vendor_of(x) is not None for x in group._labels)):
+    if group._islands != 1 and not group.cpu_islands_of_one:
         return 0
     # ... and uncompressed: a compressed collective is the leaders' schedule (compress.py), which the fast path,
     # taken or not by each rank as it is idle or busy, must never meet

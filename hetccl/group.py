@@ -120,6 +120,10 @@ class Group:
         self._watchdog = Watchdog()
         self._labels = [fabric.records[g].get("island", "cpu") if fabric.records else "cpu" for g in members]
         self._islands = len(set(self._labels))
+        # several CPU islands of one rank each: every collective across them is this group's own flat one
+        # (Communicator._across), uncompressed
+        self.cpu_islands_of_one = 1 < self._islands == self.size and \
+            not any(dispatch.vendor_of(x) for x in self._labels)
         lim = fastpath.limit_for(self)
         self._fast = fastpath.FastPath(self, lim) if lim else None  # small host collectives (fastpath.py)
         self.island_layout: Any = None  # hierarchical.Layout, built when a group of several islands is made
