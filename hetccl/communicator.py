@@ -106,7 +106,7 @@ class Communicator(Group):
         """A small all_reduce of numpy array `arr` on the shared-memory fast path, checks and all in one call.
         False: not for this path (nothing was taken). True: done. Otherwise an awaitable that ends it on
         `loop` (default: the running loop; given: called from another thread with nothing in flight). Across
-        islands too where the group has a fast path (CPU islands of one rank on one host: `_across`)."""
+        islands too where the group has a fast path (CPU islands of one rank each on one host: `_across`)."""
         fast = self._fast
         if fast is None:
             return False
