@@ -124,14 +124,9 @@ def first_hop(group: Group, b: Mem) -> Any:
 
 
 def _link_joins(group: Group, lay: Layout) -> bool:
-    """Whether the leaders' steps between these GPU leaders take the zero-copy link (_zero_copy_link's
-    conditions; a link found unusable when made is False)."""
-    leaders = lay.leaders
-    if lay.link is False or leaders.size < 2 or registry.device_link(leaders.size) is None:
-        return False
-    g, fab = leaders.members, group.fabric
-    return all(fab.topology.same_host(g[0], x) for x in g[1:]) and \
-        all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g)
+    """Whether all_reduce between these leaders takes the zero-copy pair link (two GPU leaders of one host, a
+    link found usable), which crosses no wire and is never compressed."""
+    return lay.link is not False and _pair_link_applies(group, lay)
 
 
 async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> None:
@@ -164,6 +159,8 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
         small = b.nbytes <= staging.SMALL_BYTES
         wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
         link = await _zero_copy_link(group, lay, t) if not small or staging.PAIRLINK_SMALL else None
+        if wire and isinstance(link, ringlink.RingLink):
+            link = None  # compressed, three or more leaders stage as the ordered schedule does (its link is the pair's)
         if link is not None and (not small or link.ops is not None):
             # GPU-signalled, the link beats the host round trip at every size (no CPU wake-up in the loop); it
             # crosses no wire, so nothing is compressed on it
