@@ -702,7 +702,7 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     stage = body = None
     # up to HETCCL_CROSS_SMALL_BYTES the host reduces, as the loop's schedule: one copy each way and no kernels
     # (on one GPU time-sliced by two ranks each burst of device work costs a context switch); compressed, the
-    # devices pack and reduce at every size, as the loop's schedule (_device_all_reduce)
+    # devices pack and reduce at every size, as the loop's schedule (staging.packed_all_reduce)
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
     if isl.leader and _gpu_leaders(lay) and (b.nbytes > staging.SMALL_BYTES or wire):
         stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop)
