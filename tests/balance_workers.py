@@ -195,25 +195,33 @@ def _errors(n: int) -> None:
 def case_auto(kind: str, out: str) -> None:
     """auto shares on two ranks: rank 1 three times slower per sample (DDP: in its data loading; FSDP2: in its
     forward); at batch 40 rank 0 becomes five times slower. The shares follow, and the replicas still equal the
-    single-process run."""
+    single-process run. "ddp-memory": rank 0's memory gauge reads 1 MB + 10 KB per sample of the step's batch,
+    of a memory that holds 36 samples within MEMORY_HEADROOM (what the balancer is told, as a GPU's allocator
+    would tell it)."""
     dist.init_process_group("hetccl")
     r = dist.get_rank()
     batch = 64
     ds = _data(batch * 64)
     want = _reference(ds, 70, batch)
-    slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 and kind != "ddp" else 1))
+    slow = SlowPerSample(0.002, 0.0001 * (3 if r == 1 and kind == "fsdp2" else 1))
     model = torch.nn.Sequential(slow, *_model())
-    if kind == "ddp":
-        model = DDP(model)
-    else:
+    seen = [0]  # the batch size of the last training forward (read by the gauge before the next one)
+    model.register_forward_hook(lambda _, args, out: seen.__setitem__(0, len(args[0])))
+    memory = None
+    if kind == "ddp-memory" and r == 0:
+        limit = (1e6 + 1e4 * 36.5) / balance.MEMORY_HEADROOM
+        memory = lambda: (1e6 + 1e4 * seen[0], limit)  # noqa: E731
+    if kind == "fsdp2":
         _shard(model)
-    bal = balance.Balancer(batch, "auto", check_every=5).attach(model)
+    else:
+        model = DDP(model)
+    bal = balance.Balancer(batch, "auto", check_every=5, memory=memory).attach(model)
 
     def drift(k: int) -> None:
         if k == 40 and r == 0:
             slow.c = 0.0005
 
-    _train(model, bal, SlowData(ds, 0.0002) if r == 1 and kind == "ddp" else ds, 70, slow=drift)
+    _train(model, bal, SlowData(ds, 0.0002) if r == 1 and kind != "fsdp2" else ds, 70, slow=drift)
     _close(_params(model), want, 1e-5, f"auto {kind}")
     with open(f"{out}.{r}", "w") as f:
         json.dump({"history": bal.history, "shares": bal.shares}, f)

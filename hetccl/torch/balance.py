@@ -20,11 +20,11 @@ average that DDP (any reducer or comm hook) or FSDP2 takes over W ranks is the g
 Auto shares: the first steps run the equal split, then a probe of uneven shares; each rank times its own part
 of the step at both sizes (from the batch handed out, through the data's loading, the forward and the backward,
 to the gradients' last wait: its waits for the other ranks left out, _StepTimer), fits cost = a_i + c_i b, and
-rank 0 picks the integer shares that minimise the slowest rank's predicted step under each rank's cap, then
-broadcasts them. Every `check_every` steps it looks again, and re-balances when a rank's step drifted by more
-than `drift`. The decisions
-happen in the sampler, at the same batch on every rank, so they need the sampler to be iterated in the training
-loop's order (DataLoader workers and prefetching are fine).
+rank 0 picks the integer shares that minimise the slowest rank's predicted step under each rank's cap (given,
+or what its measured peak memory allows: `memory`), then broadcasts them. Every `check_every` steps it looks
+again, and re-balances when a rank's step drifted by more than `drift`. The decisions happen in the sampler, at
+the same batch on every rank, so they need the sampler to be iterated in the training loop's order (DataLoader
+workers and prefetching are fine).
 """
 
 from __future__ import annotations
@@ -124,6 +124,17 @@ def _fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     if c <= 0:  # noise larger than the size's effect: a per-sample cost without a fixed part
         return 0.0, max(1e-12, sum(t for _, t in pts) / sum(b for b, _ in pts))
     return max(0.0, mt - c * mb), c
+
+
+def _memory_fit(records: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """peak = m0 + m1 b, as _fit; a peak that does not grow with the batch (the optimizer's step, say, sets it)
+    is m1 = 0, which caps nothing (not _fit's per-sample cost without a fixed part)."""
+    pts = sorted((b, statistics.median(ts)) for b, ts in _by_size(records).items() if b > 0)
+    if len(pts) < 2:
+        return None
+    if pts[-1][1] <= pts[0][1]:
+        return max(p for _, p in pts), 0.0
+    return _fit(records)
 
 
 class _Step:
@@ -281,17 +292,43 @@ class _OutputGrad(torch.autograd.Function):
         return (g * ctx.w if ctx.w else torch.zeros_like(g)), None, None
 
 
+MEMORY_HEADROOM = 0.9  # of a rank's memory, what auto shares may plan to use (the allocator's slack, the rest)
+
+
+def cuda_memory(root: torch.nn.Module) -> Callable[[], tuple[float, float]] | None:
+    """Auto mode's memory gauge for a model on a CUDA device (None elsewhere): each call gives the peak bytes the
+    caching allocator handed out since the last call (then starts a new window) and the bytes it may hold (the
+    device's total, times the process's memory fraction where one is set)."""
+    dev = next((p.device for p in root.parameters() if p.is_cuda), None)
+    if dev is None:
+        return None
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
+
+    def gauge() -> tuple[float, float]:
+        peak = torch.cuda.max_memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return float(peak), float(total * (fraction(dev) if fraction is not None else 1.0))
+    return gauge
+
+
 class Balancer:
     """This rank's share of each global batch, and the gradient weighting that keeps the average exact.
 
     shares: "auto" (measured and re-balanced), "equal", or a list of W integers summing to global_batch.
     cap: the most samples this rank may take per step (auto mode; each rank passes its own).
+    memory: auto mode's gauge of this rank's memory, a callable giving (the peak bytes since its last call, the
+    bytes this rank may use); it is read before each training forward, the peak fitted as m0 + m1 b, and the
+    rank's cap lowered to what fits in MEMORY_HEADROOM of its memory. "auto": the CUDA caching allocator's
+    peak for a model on a GPU (cuda_memory), none elsewhere; None: no gauge. A share may pass the memory in the
+    first steps (the probe takes a third more) before the gauge has seen two batch sizes.
     group: the process group (default WORLD); without torch.distributed initialised, one rank."""
 
     def __init__(self, global_batch: int, shares: str | Sequence[int] = "auto", *, group: Any = None,
                  cap: int | None = None, warmup: int = 3, calibrate_steps: int = 8, check_every: int = 10,
-                 drift: float = 0.15):
+                 drift: float = 0.15, memory: Callable[[], tuple[float, float]] | str | None = "auto"):
         self.group = group
+        self.memory = memory  # auto mode's gauge of this rank's memory (resolved by attach: cuda_memory)
         on = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if on else 1
         self.rank = dist.get_rank(group) if on else 0
@@ -321,6 +358,9 @@ class Balancer:
         self.attached = False
         self._issued: deque[tuple[int, int]] = deque()  # (this rank's share, batch total), consumed by forward
         self._records: deque[tuple[int, float]] = deque(maxlen=8 * self.check_every + 16)
+        self._peaks: deque[tuple[int, float]] = deque(maxlen=8 * self.check_every + 16)  # (share, peak bytes)
+        self._memory_limit = 0.0  # bytes this rank may use (its gauge's last reading; 0: no gauge)
+        self._gauged = False  # the gauge was read once (its window starts at a training forward)
         self._recent: deque[tuple[int, float]] = deque(maxlen=max(3, self.check_every // 2))
         self._model: list[tuple[float, float]] | None = None  # rank 0: each rank's (a, c)
         self._calibrated = False
@@ -423,8 +463,9 @@ class Balancer:
         rt = statistics.median(t for _, t in recent) if recent else 0.0
         rb = recent[-1][0] if recent else 0
         noise = _noise(recent if self._calibrated else list(self._records))
+        mem = _memory_fit(list(self._peaks)) if self._memory_limit > 0 else None
         row = [fit[0] if fit else 0.0, fit[1] if fit else 0.0, 1.0 if fit else 0.0, rt, float(rb),
-               float(len(recent)), noise]
+               float(len(recent)), noise, mem[0] if mem else 0.0, mem[1] if mem else 0.0, self._memory_limit]
         stats = self._gather(row)
         new, reason = self._choose(k, stats.tolist()) if self.rank == 0 else (None, "")
         kind = 0 if new is None else 1 + _KINDS.index(reason.split(":")[0])
@@ -438,7 +479,7 @@ class Balancer:
 
     def _choose(self, k: int, rows: list[list[float]]) -> tuple[list[int] | None, str]:
         """Rank 0: the new shares (None: keep them) and why."""
-        caps = self.caps  # gathered once, at construction
+        caps, held = self._memory_caps(rows)
         # a change must promise a step shorter by more than the noise of the timings (twice their largest
         # standard error), by drift/3 at least; a gain of 2 drift is always taken (a few noisy steps must not
         # hide a rank several times slower)
@@ -454,14 +495,14 @@ class Balancer:
             if all(b <= c for b, c in zip(base, caps, strict=True)) and \
                     self._worst(shares) > (1 - gain) * self._worst(base):
                 return base, "calibrated: the ranks' steps are within the noise of each other; " + \
-                    self._describe(base)
-            return shares, "calibrated: " + self._describe(shares)
+                    self._describe(base) + held
+            return shares, "calibrated: " + self._describe(shares) + held
         assert self._model is not None
         # each rank's measured step at its current share corrects its cost (the fixed part stays): a drift, or
         # the calibration's error. A change of more than half is taken whole (a rank really slowed down); a
         # smaller one half-way, so that the step-to-step noise of a busy machine does not walk the shares.
         drifted, measured = [], []
-        for i, (_, _, _, rt, rb, rn, _) in enumerate(rows):
+        for i, (_, _, _, rt, rb, rn, *_) in enumerate(rows):
             a, c = self._model[i]
             pred = a + c * rb
             if rn < 3 or rb < 1 or pred <= 0:
@@ -475,11 +516,30 @@ class Balancer:
             keep = 0.0 if abs(rt / pred - 1) > 0.5 else 0.5
             self._model[i] = (keep * a + (1 - keep) * seen[0], keep * c + (1 - keep) * seen[1])
         shares = solve(self._model, self.global_batch, caps)
-        if shares == self.shares or self._worst(shares) > (1 - gain) * self._worst(self.shares):
+        over = any(s > c for s, c in zip(self.shares, caps, strict=True))  # a memory cap the shares now pass
+        if not over and (shares == self.shares or self._worst(shares) > (1 - gain) * self._worst(self.shares)):
             return None, ""  # not worth a change: within the noise of a step
         why = "drift: " + "; ".join(drifted) if drifted else \
             "refined: measured steps " + ", ".join(f"{t * 1e3:.1f}" for t in measured) + " ms"
-        return shares, why + "; " + self._describe(shares)
+        return shares, why + "; " + self._describe(shares) + held
+
+    def _memory_caps(self, rows: list[list[float]]) -> tuple[list[int], str]:
+        """The ranks' caps (given), lowered where a rank's measured peak memory, fitted as m0 + m1 b, would pass
+        MEMORY_HEADROOM of what it may use; and what that held back, for the decision's reason."""
+        caps, held = list(self.caps), []
+        for i, r in enumerate(rows):
+            m0, m1, limit = r[7], r[8], r[9]
+            if limit > 0 and m1 > 0:
+                fits = max(0, int((MEMORY_HEADROOM * limit - m0) // m1))
+                if fits < caps[i]:
+                    caps[i] = fits
+                    held.append(f"rank {i} at most {fits} samples ({m0 / 2**20:.0f} MiB + "
+                                f"{m1 / 2**10:.1f} KiB/sample of {limit / 2**20:.0f} MiB)")
+        if sum(caps) < self.global_batch:
+            log.warning("balance: the ranks' memory holds %d samples of the global batch of %d (%s); the shares "
+                        "keep to the given caps", sum(caps), self.global_batch, "; ".join(held))
+            return list(self.caps), ""
+        return caps, "; memory: " + "; ".join(held) if held else ""
 
     def _worst(self, shares: list[int]) -> float:
         """The slowest rank's predicted step under shares."""
@@ -509,6 +569,10 @@ class Balancer:
         root.register_forward_hook(self._weigh)  # before the timer's last hook: the size is known when it ends
         if self.mode == "auto":
             self._timer = _StepTimer(root, lambda: self._last[0], self._record)
+            if self.memory == "auto":
+                self.memory = cuda_memory(root)
+            if self.memory is not None:
+                root.register_forward_pre_hook(self._gauge)
         self.attached = True
         return self
 
@@ -517,6 +581,16 @@ class Balancer:
         if self._seen > self.warmup:
             self._records.append((b, seconds))
             self._recent.append((b, seconds))
+
+    def _gauge(self, module: torch.nn.Module, args: Any) -> None:
+        """Before each training forward: the peak memory of the step before it (its forward, backward and
+        optimizer step), recorded against that step's share."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        peak, self._memory_limit = self.memory()  # type: ignore[misc,operator]
+        if self._gauged and self._seen > self.warmup:
+            self._peaks.append((self._last[0], float(peak)))
+        self._gauged = True
 
     def _weigh(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
