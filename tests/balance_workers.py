@@ -228,5 +228,49 @@ def case_auto(kind: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def case_gpu_memory(out: str) -> None:
+    """Rank 0 on the GPU, whose memory (torch.cuda.set_per_process_memory_fraction) holds about 450 samples of
+    this model's step (measured alone first), beside rank 1 on the CPU, slowed: auto shares would give the
+    GPU nearly the whole batch of 512, and keep it within its memory instead (the CUDA caching allocator's peak,
+    balance.cuda_memory). No CUDA out-of-memory; the decision names the cap. TEST_HETCCL_ISLAND=nvidia-0,cpu-0."""
+    r = int(os.environ["RANK"])
+    dev = torch.device("cuda", 0) if r == 0 else torch.device("cpu")
+    batch, width = 512, 16384  # wide and shallow: the activations (about 128 KiB a sample) outweigh the weights
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        slow = SlowPerSample(0.001, 0.0002 if r == 1 else 0.0)  # the CPU rank made far slower per sample
+        return torch.nn.Sequential(slow, torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)).to(dev)
+
+    if r == 0:
+        torch.cuda.set_device(dev)
+        alone, peaks = make(), []
+        for b in (64, 256):
+            torch.cuda.reset_peak_memory_stats(dev)
+            alone(torch.randn(b, 64, device=dev)).square().mean().backward()
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated(dev))
+        m1 = (peaks[1] - peaks[0]) / 192
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction((peaks[0] + m1 * (450 - 64)) / balance.MEMORY_HEADROOM / total, dev)
+        del alone
+        torch.cuda.empty_cache()
+    dist.init_process_group("hetccl")
+    model = DDP(make())
+    bal = balance.Balancer(batch, "auto", check_every=5).attach(model)
+    g = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(batch * 64, 64, generator=g), torch.randn(batch * 64, 1, generator=g))
+    sampler = balance.BatchSampler(ds, bal, seed=0)
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=sampler.collate())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _, (x, y) in zip(range(45), loader, strict=False):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+    with open(f"{out}.{r}", "w") as f:
+        json.dump({"history": bal.history}, f)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])

@@ -432,3 +432,18 @@ def test_error_feedback_on_gpu_islands_keeps_the_uncompressed_loss(path):
     ends within 1 % of the uncompressed loss and closer than fp8 alone (tests/torch_workers.py error_feedback)."""
     env = {**TWO_ISLANDS, **COMPRESSED[path], "HETCCL_CROSS_COMPRESS": "fp8", "HETCCL_CROSS_COMPRESS_MIN": "0"}
     print(run_torchrun(2, "error_feedback", env=env, timeout=280).stdout)
+
+
+@needs_1
+@pytest.mark.timeout(300)
+def test_auto_shares_keep_a_gpu_rank_within_its_memory(tmp_path):
+    """A GPU island beside a far slower CPU island, the GPU's memory limited to about 450 samples of the step
+    (tests/balance_workers.py gpu_memory): the balancer's CUDA gauge caps the GPU's share below what its speed
+    asks, no CUDA out-of-memory ends the job, and the decision names the cap."""
+    workers = Path(__file__).resolve().parent / "balance_workers.py"
+    run_torchrun(2, "gpu_memory", str(tmp_path / "mem"), script=workers,
+                 env={**GPU_ENV, "TEST_HETCCL_ISLAND": "nvidia-0,cpu-0"}, timeout=280)
+    hist = json.loads((tmp_path / "mem.0").read_text())["history"]
+    capped = [h for h in hist if "memory: rank 0 at most" in h[2]]
+    assert capped, hist
+    assert all(h[1][0] <= 470 for h in hist), hist
