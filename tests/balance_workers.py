@@ -176,7 +176,8 @@ def _errors(n: int) -> None:
                       ({"global_batch": n - 1, "shares": "auto"}, "cannot give each"),
                       ({"global_batch": B, "shares": "fast"}, "'auto', 'equal'"),
                       ({"global_batch": B, "cap": 0}, "below 1"),
-                      ({"global_batch": B, "cap": 1}, "hold fewer")]:
+                      ({"global_batch": B, "cap": 1}, "hold fewer"),
+                      ({"global_batch": B, "memory": "cuda"}, "a callable giving")]:
         try:
             balance.Balancer(**kw)
         except ConfigError as exc:

@@ -328,6 +328,9 @@ class Balancer:
                  cap: int | None = None, warmup: int = 3, calibrate_steps: int = 8, check_every: int = 10,
                  drift: float = 0.15, memory: Callable[[], tuple[float, float]] | str | None = "auto"):
         self.group = group
+        if not (memory is None or memory == "auto" or callable(memory)):
+            raise ConfigError(f"balance: memory must be 'auto', None or a callable giving (peak bytes, bytes this "
+                              f"rank may use) (got {memory!r})")
         self.memory = memory  # auto mode's gauge of this rank's memory (resolved by attach: cuda_memory)
         on = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if on else 1
