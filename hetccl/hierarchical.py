@@ -103,6 +103,11 @@ def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
     return [(off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step)]
 
 
+def _chunk_elems(count: int, isz: int) -> list[tuple[int, int]]:
+    """_chunks as element ranges (what the device side slices)."""
+    return [(lo // isz, hi // isz) for lo, hi in _chunks(count, isz)]
+
+
 def first_hop(group: Group, b: Mem) -> Any:
     """b's values as all_reduce's leaders' step between islands sends them (compress.round_trip for host memory,
     its device twin codec.round_trip, the same bits, for device memory), or None where it sends them as they
@@ -114,13 +119,11 @@ def first_hop(group: Group, b: Mem) -> Any:
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
     if not wire:
         return None
-    chunks = _chunks(b.count, b.dtype.itemsize)
     if isinstance(b, DeviceBuf):
         if _link_joins(group, lay):
             return None
-        isz = b.dtype.itemsize
-        return codec.round_trip(as_tensor(b), wire, [(lo // isz, hi // isz) for lo, hi in chunks], lay.leaders.size)
-    return compress.round_trip(b, wire, chunks, lay.leaders.size)
+        return codec.round_trip(as_tensor(b), wire, _chunk_elems(b.count, b.dtype.itemsize), lay.leaders.size)
+    return compress.round_trip(b, wire, _chunks(b.count, b.dtype.itemsize), lay.leaders.size)
 
 
 def _link_joins(group: Group, lay: Layout) -> bool:
@@ -166,9 +169,9 @@ async def all_reduce(group: Group, b: Mem, rop: ReduceOp, stage: Any = None) -> 
             # crosses no wire, so nothing is compressed on it
             await link.all_reduce(t, inner, stream, _deadline(group))
         elif wire and _gpu_leaders(lay):  # the ordered schedule's collectives (_plan_leaders_all_reduce_on_device)
-            elems = [(lo // b.dtype.itemsize, hi // b.dtype.itemsize) for lo, hi in _chunks(b.count, b.dtype.itemsize)]
             await staging.packed_all_reduce(lay.leaders, t, inner, stream, _deadline(group),
-                                            codec.LeaderChunks(elems, lay.leaders.size, wire))
+                                            codec.LeaderChunks(_chunk_elems(b.count, b.dtype.itemsize),
+                                                               lay.leaders.size, wire))
         elif wire:  # a CPU leader among them: the host's compressed schedule on a host copy
             await staging.staged([b], [0], lambda hb: _leaders_all_reduce_host(group, lay, hb[0], inner))
         elif small:
@@ -705,7 +708,7 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     # devices pack and reduce at every size, as the loop's schedule (staging.packed_all_reduce)
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
     if isl.leader and _gpu_leaders(lay) and (b.nbytes > staging.SMALL_BYTES or wire):
-        stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop)
+        stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop, wire)
     elif isl.leader:
         stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
         pieces = streamorder.contiguous(0, _chunks(b.count, b.dtype.itemsize))
@@ -725,21 +728,20 @@ def _gpu_leaders(lay: Layout) -> bool:
 
 
 def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, t: Any,
-                                       rop: ReduceOp) -> tuple[Any, Callable[[], Awaitable[None]]]:
+                                       rop: ReduceOp, wire: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered all_reduce where every leader holds a GPU, as the loop's staged
     all_reduce with its reduction on the device: per chunk, the leaders all_gather their copies through pinned
     host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the k blocks back
     and reduces them in leader order, so that every leader computes the same bits. The host does no arithmetic,
-    and a few chunks' exchanges are in flight at once. Under HETCCL_CROSS_COMPRESS the stream packs each chunk
-    before its copy and unpacks the k blocks before reducing them (gpu/codec.py): the wire carries the packed
+    and a few chunks' exchanges are in flight at once. With a wire (HETCCL_CROSS_COMPRESS) the stream packs each
+    chunk before its copy and unpacks the k blocks before reducing them (gpu/codec.py): the wire carries the packed
     bytes."""
     k, me = lay.leaders.size, lay.leaders.rank
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     isz = t.element_size()
     flat = t.view(-1)
-    elems = [(lo // isz, hi // isz) for lo, hi in _chunks(t.numel(), isz)]
+    elems = _chunk_elems(t.numel(), isz)
     dtype = as_device_buf(t).dtype
-    wire = compress.wire_for(group.settings, dtype, t.numel() * isz)
     packed = codec.LeaderChunks(elems, k, wire) if wire else None
     # what one leader sends of each chunk: its bytes, or its packed bytes; `sizes` and `starts` in bytes
     sizes = packed.sizes if packed else [(hi - lo) * isz for lo, hi in elems]
