@@ -80,26 +80,28 @@ async def packed_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any,
     torch = torch_mod()
     k, me = leaders.size, leaders.rank
     flat = t.view(-1)
-    with torch.cuda.stream(stream):
-        mine = torch.empty(chunks.total, dtype=torch.uint8, device=t.device)
-        chunks.pack(mine, flat)
-        host = torch.empty(k * chunks.total, dtype=torch.uint8, pin_memory=True)
+    with lease("pinned", t.device, k * chunks.total, 1) as pinned, \
+            lease("device", t.device, (k + 1) * chunks.total, 1) as scratch:
+        host, mine, back = pinned[0], scratch[0][:chunks.total], scratch[0][chunks.total:]
+        with torch.cuda.stream(stream):
+            chunks.pack(mine, flat)
+            for at, size in zip(chunks.starts, chunks.sizes, strict=True):
+                host[k * at + me * size:k * at + (me + 1) * size].copy_(mine[at:at + size], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        await wait_event(copied, deadline, "device-to-host staging")
+        arr = host.numpy()
         for at, size in zip(chunks.starts, chunks.sizes, strict=True):
-            host[k * at + me * size:k * at + (me + 1) * size].copy_(mine[at:at + size], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    await wait_event(copied, deadline, "device-to-host staging")
-    arr = host.numpy()
-    for at, size in zip(chunks.starts, chunks.sizes, strict=True):
-        every = Buf(arr[k * at:k * (at + size)], DType.UINT8, k * size)
-        await leaders.flat_all_gather(every, Buf(arr[k * at + me * size:k * at + (me + 1) * size], DType.UINT8, size))
-    with torch.cuda.stream(stream):
-        back = host.to(t.device, non_blocking=True)
-        for j, at in enumerate(chunks.starts):
-            chunks.reduce(j, flat, back[k * at:k * (at + chunks.sizes[j])], op, reduce_inplace)
-        done = torch.cuda.Event()
-        done.record(stream)
-    await wait_event(done, deadline, "host-to-device staging")  # the pinned buffer is free once copied
+            every = Buf(arr[k * at:k * (at + size)], DType.UINT8, k * size)
+            await leaders.flat_all_gather(every, Buf(arr[k * at + me * size:k * at + (me + 1) * size], DType.UINT8,
+                                                     size))
+        with torch.cuda.stream(stream):
+            back.copy_(host, non_blocking=True)
+            for j, at in enumerate(chunks.starts):
+                chunks.reduce(j, flat, back[k * at:k * (at + chunks.sizes[j])], op, reduce_inplace)
+            done = torch.cuda.Event()
+            done.record(stream)
+        await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
 
 
 async def staged_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,
