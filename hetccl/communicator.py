@@ -99,7 +99,7 @@ class Communicator(Group):
         if self._islands == 1:
             return None
         got = hierarchical.first_hop(self, b)
-        return None if got is None or not isinstance(b, Buf) else got.view(b.typed().dtype)
+        return got if got is None or not isinstance(b, Buf) else got.view(b.typed().dtype)  # host: bytes as b's dtype
 
     # ---- collectives ---------------------------------------------------------------------------------
     def fast_all_reduce(self, arr: np.ndarray, op: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:

@@ -363,7 +363,7 @@ class Balancer:
         self._records: deque[tuple[int, float]] = deque(maxlen=8 * self.check_every + 16)
         self._peaks: deque[tuple[int, float]] = deque(maxlen=8 * self.check_every + 16)  # (share, peak bytes)
         self._memory_limit = 0.0  # bytes this rank may use (its gauge's last reading; 0: no gauge)
-        self._gauged = False  # the gauge was read once (its window starts at a training forward)
+        self._gauged = 0  # readings of the memory gauge (one before each training forward)
         self._recent: deque[tuple[int, float]] = deque(maxlen=max(3, self.check_every // 2))
         self._model: list[tuple[float, float]] | None = None  # rank 0: each rank's (a, c)
         self._calibrated = False
@@ -591,9 +591,10 @@ class Balancer:
         if not (module.training and torch.is_grad_enabled()):
             return
         peak, self._memory_limit = self.memory()  # type: ignore[misc,operator]
-        if self._gauged and self._seen > self.warmup:
+        # counted here, not by the timings (_seen): on the GPU those are read only when the shares are decided
+        self._gauged += 1
+        if self._gauged > self.warmup + 1:  # the first reading follows no step; the warm-up steps' are not kept
             self._peaks.append((self._last[0], float(peak)))
-        self._gauged = True
 
     def _weigh(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
