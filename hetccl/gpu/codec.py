@@ -26,6 +26,11 @@ def wire_size(count: int, wire: int) -> int:
 def pack(dst: Any, src: Any, wire: int) -> None:
     """dst (uint8, wire_size bytes) <- src's values (a contiguous float tensor), on the current stream."""
     torch = torch_mod()
+    if dst.storage_offset() % 4:  # the host's layout puts a piece at any byte; torch views need aligned offsets
+        aligned = torch.empty_like(dst)
+        pack(aligned, src, wire)
+        dst.copy_(aligned)
+        return
     n = src.numel()
     x = src.reshape(-1).float()  # the host codec widens to float32 first, float64 too
     if wire != FP8:
@@ -51,6 +56,8 @@ def unpack(src: Any, count: int, wire: int) -> Any:
     """The `count` values packed in src (uint8, wire_size bytes) as a new float32 tensor, on the current stream
     (the host codec decodes to float32 too; the caller casts to its dtype)."""
     torch = torch_mod()
+    if src.storage_offset() % 4:  # see pack
+        src = src[:wire_size(count, wire)].clone()
     if wire != FP8:
         return src[:2 * count].view(torch.bfloat16 if wire == BF16 else torch.float16).float()
     groups = -(-count // FP8_GROUP)
