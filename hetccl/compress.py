@@ -24,6 +24,7 @@ import numpy as np
 
 from . import native
 from .dtypes import Buf, DType, ReduceOp
+from .gpu.codec import leader_blocks
 
 WIRES: dict[str, tuple[int, int]] = {"bf16": (1, 2), "fp16": (2, 2), "fp8": (3, 1)}  # -> (HCCL_WIRE_*, bytes)
 
@@ -46,16 +47,13 @@ def round_trip(b: Buf, wire: int, pieces: list[tuple[int, int]], n: int) -> Any:
     isz = b.dtype.itemsize
     for lo, hi in pieces:
         part, back = Buf(b.data[lo:hi], b.dtype, (hi - lo) // isz), Buf(out[lo:hi], b.dtype, (hi - lo) // isz)
-        for a, z in _blocks(part.count, n):
+        for a, z in leader_blocks(part.count, n):
             packed = np.empty(native.wire_size(z - a, wire), np.uint8)
             native.pack(packed, part.elems(a, z), z - a, b.dtype, wire)
             native.unpack(back.elems(a, z), packed, z - a, b.dtype, wire)
     return out
 
 
-def _blocks(count: int, n: int) -> list[tuple[int, int]]:
-    blk = -(-count // n)
-    return [(min(j * blk, count), min((j + 1) * blk, count)) for j in range(n)]
 
 
 def _packed(group: Any, nbytes: int) -> tuple[Any, Buf]:
@@ -88,17 +86,17 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
     sets = [(_packed(leaders, n * slot), _packed(leaders, n * slot)) for _ in range(min(2, len(parts)))]
 
     def pack_blocks(p: Buf, sent: Buf) -> None:
-        for j, (lo, hi) in enumerate(_blocks(p.count, n)):
+        for j, (lo, hi) in enumerate(leader_blocks(p.count, n)):
             native.pack(sent.data[j * slot:], p.elems(lo, hi), hi - lo, p.dtype, wire)
 
     def reduce_mine(p: Buf, got: Buf, sent: Buf) -> None:
         # in rank order (the same sum whoever owns the block), packed, and my block set to what that carries
-        lo, hi = _blocks(p.count, n)[r]
+        lo, hi = leader_blocks(p.count, n)[r]
         native.unpack_reduce_pack(p.elems(lo, hi), [got.data[j * slot:(j + 1) * slot] for j in range(n)], hi - lo,
                                   p.dtype, wire, op, sent.data[r * slot:(r + 1) * slot])
 
     def unpack_all(p: Buf, got: Buf) -> None:
-        for j, (lo, hi) in enumerate(_blocks(p.count, n)):
+        for j, (lo, hi) in enumerate(leader_blocks(p.count, n)):
             if j != r:  # mine holds its packed bits already (reduce_mine)
                 native.unpack(p.elems(lo, hi), got.data[j * slot:], hi - lo, p.dtype, wire)
 
@@ -126,7 +124,7 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
         await _settle(leaders, flying, sets)
 
 
-def _ranges(k: int, piece: int) -> list[tuple[int, int]]:
+def piece_ranges(k: int, piece: int) -> list[tuple[int, int]]:
     piece = max(1, piece)
     return [(a, min(a + piece, k)) for a in range(0, max(k, 1), piece)]
 
@@ -157,7 +155,7 @@ async def _pipelined(leaders: Any, count: int, sent_bytes: int, got_bytes: int,
 async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int, piece: int) -> None:
     """Pieces of `piece` elements of each leader's block, pipelined (_pipelined)."""
     n, k = leaders.size, out.count
-    ranges = _ranges(k, piece)
+    ranges = piece_ranges(k, piece)
     slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
 
     def pack(i: int, sent: Buf) -> None:
@@ -177,7 +175,7 @@ async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: i
 async def all_gather(leaders: Any, out: Buf, inp: Buf, wire: int, piece: int) -> None:
     """Pieces of `piece` elements of each leader's block, pipelined (_pipelined); inp may be out's own block."""
     n, k = leaders.size, inp.count
-    ranges = _ranges(k, piece)
+    ranges = piece_ranges(k, piece)
     slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
 
     def pack(i: int, sent: Buf) -> None:

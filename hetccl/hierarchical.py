@@ -773,29 +773,35 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     stage.seal()
     wire_dtype = DType.UINT8 if packed is not None else dtype
 
-    async def body() -> None:
-        inflight: list[tuple[int, asyncio.Future]] = []
-        try:
-            for j, (at, size) in enumerate(zip(starts, sizes, strict=True)):
-                await stage.arrived(j, _deadline(group), "cross-island all_reduce")
-                n = size // wire_dtype.itemsize
-                every = Buf(stage.host[k * at:k * (at + size)], wire_dtype, k * n)
-                if len(inflight) == _ORDERED_INFLIGHT:
-                    i, first = inflight.pop(0)
-                    await first
-                    stage.done(i)
-                inflight.append((j, asyncio.ensure_future(
-                    lay.leaders.flat_all_gather(every, _sl(every, me * n, (me + 1) * n)))))
-                await asyncio.sleep(0)  # chunk j's collective takes its number before chunk j + 1's
-            for i, fut in inflight:
-                await fut
-                stage.done(i)
-            inflight.clear()
-        finally:
-            for _, fut in inflight:
-                fut.cancel()
+    def gather(j: int) -> Awaitable[None]:
+        n = sizes[j] // wire_dtype.itemsize
+        every = Buf(stage.host[k * starts[j]:k * (starts[j] + sizes[j])], wire_dtype, k * n)
+        return lay.leaders.flat_all_gather(every, _sl(every, me * n, (me + 1) * n))
 
-    return stage, body
+    return stage, lambda: _in_flight(group, stage, [gather] * len(sizes), "cross-island all_reduce")
+
+
+async def _in_flight(group: Group, stage: Any, pieces: list[Callable[[int], Awaitable[None]]], what: str) -> None:
+    """An ordered host step piece by piece: piece i's collective (pieces[i](i)) starts once its copy has landed,
+    a few run at once, each started in piece order (so every leader numbers them alike), and piece i is let go
+    to the stream once its collective is done."""
+    inflight: list[tuple[int, asyncio.Future]] = []
+    try:
+        for j, piece in enumerate(pieces):
+            await stage.arrived(j, _deadline(group), what)
+            if len(inflight) == _ORDERED_INFLIGHT:
+                i, first = inflight.pop(0)
+                await first
+                stage.done(i)
+            inflight.append((j, asyncio.ensure_future(piece(j))))
+            await asyncio.sleep(0)  # piece j's collective takes its number before piece j + 1's
+        for i, fut in inflight:
+            await fut
+            stage.done(i)
+        inflight.clear()
+    finally:
+        for _, fut in inflight:
+            fut.cancel()
 
 
 def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, out: DeviceBuf,
@@ -816,13 +822,17 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     elif mine.data_ptr() != t.data_ptr():
         isl.copy(mine, t)
     stage = body = None
-    if isl.leader:
+    block = every.numel() // len(lay.islands)
+    wire = compress.wire_for(group.settings, out.dtype, every.numel() * isz)
+    if isl.leader and wire and _gpu_leaders(lay):
+        stage, body = _plan_packed_all_gather(group, lay, isl, words, stream, every,
+                                              every[lay.mine * block:(lay.mine + 1) * block], wire)
+    elif isl.leader:
         stage = streamorder.Stage(words, stream, every.numel() * isz, isl.later)
         stage.to_host(mine, streamorder.contiguous(lo * isz, [(0, mine.numel() * isz)]))
         stage.from_host(every, streamorder.contiguous(0, [(0, every.numel() * isz)]))
         stage.seal()
         whole = Buf(stage.host[:every.numel() * isz], out.dtype, every.numel())
-        block = every.numel() // len(lay.islands)
         own = _sl(whole, lay.mine * block, (lay.mine + 1) * block)
 
         async def body() -> None:
@@ -861,7 +871,10 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
         isl.run("reduce", acc, 0, inner)
     region = dst if blk == k else isl.empty_like(dst, blk)
     stage = body = None
-    if isl.leader:
+    wire = compress.wire_for(group.settings, out.dtype, acc.numel() * isz)
+    if isl.leader and wire and _gpu_leaders(lay):
+        stage, body = _plan_packed_reduce_scatter(group, lay, isl, words, stream, region, acc, inner, wire)
+    elif isl.leader:
         nb = acc.numel() * isz
         stage = streamorder.Stage(words, stream, nb + blk * isz, isl.later)
         stage.to_host(acc, streamorder.contiguous(0, [(0, nb)]))
@@ -881,6 +894,97 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     if rop == ReduceOp.AVG:
         isl.later(lambda: divide_inplace(dst, group.size))
     return stage, body, (CollOp.REDUCE_SCATTER, None, k, -1, rop)
+
+
+def _packed_pieces(lay: Layout, count: int, isz: int, wire: int) -> tuple[list[tuple[int, int]], int]:
+    """The pieces (element ranges of a leader's block of `count`) and the bytes per packed piece of the host's
+    compressed all_gather and reduce_scatter (compress.all_gather / reduce_scatter), which a GPU leader's
+    packing on its device must match collective for collective."""
+    pieces = compress.piece_ranges(count, staging.STAGE_CHUNK // (isz * lay.leaders.size))
+    return pieces, native.wire_size(pieces[0][1] - pieces[0][0], wire)
+
+
+def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, every: Any,
+                            own: Any, wire: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    """The leaders' step of an ordered all_gather between GPU leaders under HETCCL_CROSS_COMPRESS: the host's
+    compressed schedule (compress.all_gather: per piece of this leader's block `own`, one all_gather of packed
+    bytes) with the packing and unpacking on the stream (gpu/codec.py), every block unpacked, this leader's
+    too, so that every leader holds the same bits."""
+    n, kk = lay.leaders.size, own.numel()
+    pieces, slot = _packed_pieces(lay, kk, every.element_size(), wire)
+    m = len(pieces)
+    u8 = torch_mod().uint8
+    sent = isl.empty_like(every.view(u8), m * slot)
+    got = isl.empty_like(every.view(u8), m * n * slot)
+
+    def pack() -> None:
+        for i, (a, b) in enumerate(pieces):
+            used = codec.wire_size(b - a, wire)
+            codec.pack(sent[i * slot:i * slot + used], own[a:b], wire)
+            sent[i * slot + used:(i + 1) * slot].zero_()  # a short last piece's unused bytes cross as zeros
+    isl.later(pack)
+
+    def unpack(i: int) -> None:
+        a, b = pieces[i]
+        for j in range(n):
+            at = (i * n + j) * slot
+            every[j * kk + a:j * kk + b].copy_(codec.unpack(got[at:at + codec.wire_size(b - a, wire)], b - a, wire))
+
+    stage = streamorder.Stage(words, stream, m * slot + m * n * slot, isl.later)
+    stage.to_host(sent, streamorder.contiguous(0, [(i * slot, (i + 1) * slot) for i in range(m)]))
+    stage.from_host(got, [[(i * n * slot, m * slot + i * n * slot, n * slot)] for i in range(m)], then=unpack)
+    stage.seal()
+
+    def gather(i: int) -> Awaitable[None]:
+        return lay.leaders.flat_all_gather(Buf(stage.host[m * slot + i * n * slot:][:n * slot], DType.UINT8, n * slot),
+                                           Buf(stage.host[i * slot:(i + 1) * slot], DType.UINT8, slot))
+
+    return stage, lambda: _in_flight(group, stage, [gather] * m, "cross-island all_gather")
+
+
+def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, region: Any,
+                                acc: Any, op: ReduceOp, wire: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
+    """The leaders' step of an ordered reduce_scatter between GPU leaders under HETCCL_CROSS_COMPRESS: the
+    host's compressed schedule (compress.reduce_scatter: per piece, an all_to_all of each leader's packed
+    blocks) with the packing, and the reduction in leader order of what arrives, on the stream."""
+    n, kk = lay.leaders.size, region.numel()
+    pieces, slot = _packed_pieces(lay, kk, region.element_size(), wire)
+    m = len(pieces)
+    u8 = torch_mod().uint8
+    sent = isl.empty_like(region.view(u8), m * n * slot)
+    got = isl.empty_like(region.view(u8), m * n * slot)
+
+    def pack() -> None:
+        for i, (a, b) in enumerate(pieces):
+            used = codec.wire_size(b - a, wire)
+            for j in range(n):
+                at = (i * n + j) * slot
+                codec.pack(sent[at:at + used], acc[j * kk + a:j * kk + b], wire)
+                sent[at + used:at + slot].zero_()  # a short last piece's unused bytes cross as zeros
+    isl.later(pack)
+
+    def reduce(i: int) -> None:
+        a, b = pieces[i]
+        dst = region[a:b]
+        for j in range(n):
+            at = (i * n + j) * slot
+            vals = codec.unpack(got[at:at + codec.wire_size(b - a, wire)], b - a, wire).to(dst.dtype)
+            if j == 0:
+                dst.copy_(vals)
+            else:
+                reduce_inplace(dst, vals, op)
+
+    stage = streamorder.Stage(words, stream, 2 * m * n * slot, isl.later)
+    stage.to_host(sent, streamorder.contiguous(0, [(i * n * slot, (i + 1) * n * slot) for i in range(m)]))
+    stage.from_host(got, [[(i * n * slot, (m + i) * n * slot, n * slot)] for i in range(m)], then=reduce)
+    stage.seal()
+
+    def swap(i: int) -> Awaitable[None]:
+        host = stage.host
+        return lay.leaders.flat_all_to_all(Buf(host[(m + i) * n * slot:(m + i + 1) * n * slot], DType.UINT8, n * slot),
+                                           Buf(host[i * n * slot:(i + 1) * n * slot], DType.UINT8, n * slot))
+
+    return stage, lambda: _in_flight(group, stage, [swap] * m, "cross-island reduce_scatter")
 
 
 def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, b: DeviceBuf,

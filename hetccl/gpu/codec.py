@@ -26,36 +26,46 @@ def wire_size(count: int, wire: int) -> int:
 def pack(dst: Any, src: Any, wire: int) -> None:
     """dst (uint8, wire_size bytes) <- src's values (a contiguous float tensor), on the current stream."""
     torch = torch_mod()
+    if dst.storage_offset() % 4:  # the host's layout puts a piece at any byte; torch views need aligned offsets
+        aligned = torch.empty_like(dst)
+        pack(aligned, src, wire)
+        dst.copy_(aligned)
+        return
     n = src.numel()
     x = src.reshape(-1).float()  # the host codec widens to float32 first, float64 too
     if wire != FP8:
         dst[:2 * n].view(torch.bfloat16 if wire == BF16 else torch.float16).copy_(x)
         return
     groups = -(-n // FP8_GROUP)
-    mag = x.abs().nan_to_num_(0.0, 0.0, 0.0)  # the largest finite magnitude of each group
-    if groups * FP8_GROUP != n:
-        mag = torch.nn.functional.pad(mag, (0, groups * FP8_GROUP - n))
-    amax = mag.view(groups, FP8_GROUP).amax(1)
+    if groups * FP8_GROUP != n:  # the last group padded with zeros, which change no group's largest magnitude
+        x = torch.nn.functional.pad(x, (0, groups * FP8_GROUP - n))
+    x = x.view(groups, FP8_GROUP)
+    amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(1)  # the largest finite magnitude of each group
     _, e = torch.frexp(amax / FP8_MAX)  # amax / 448 < 2^e
     k = torch.where(torch.ldexp(torch.full_like(amax, FP8_MAX), e - 1) >= amax, e - 1, e)
     k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)
     one = torch.ones_like(amax)
     dst[:4 * groups].view(torch.float32).copy_(torch.ldexp(one, k))
-    inv = torch.ldexp(one, -k).repeat_interleave(FP8_GROUP)[:n]
-    # x * inv is what the host codec rounds (the same float32 product); torch's cast to e4m3fn rounds to nearest
+    # x * 2^-k is what the host codec rounds (the same float32 product); torch's cast to e4m3fn rounds to nearest
     # even and makes inf and NaN the NaN code with the sign kept, as hccl_f2e4m3
-    dst[4 * groups:4 * groups + n].view(torch.float8_e4m3fn).copy_(x * inv)
+    scaled = (x * torch.ldexp(one, -k)[:, None]).view(-1)[:n]
+    dst[4 * groups:4 * groups + n].view(torch.float8_e4m3fn).copy_(scaled)
 
 
 def unpack(src: Any, count: int, wire: int) -> Any:
     """The `count` values packed in src (uint8, wire_size bytes) as a new float32 tensor, on the current stream
     (the host codec decodes to float32 too; the caller casts to its dtype)."""
     torch = torch_mod()
+    if src.storage_offset() % 4:  # see pack
+        src = src[:wire_size(count, wire)].clone()
     if wire != FP8:
         return src[:2 * count].view(torch.bfloat16 if wire == BF16 else torch.float16).float()
     groups = -(-count // FP8_GROUP)
-    scale = src[:4 * groups].view(torch.float32).repeat_interleave(FP8_GROUP)[:count]
-    return src[4 * groups:4 * groups + count].view(torch.float8_e4m3fn).float() * scale
+    vals = src[4 * groups:4 * groups + count].view(torch.float8_e4m3fn).float()
+    if groups * FP8_GROUP != count:
+        vals = torch.nn.functional.pad(vals, (0, groups * FP8_GROUP - count))
+    scale = src[:4 * groups].view(torch.float32)
+    return (vals.view(groups, FP8_GROUP) * scale[:, None]).view(-1)[:count]
 
 
 def _segments(count: int, wire: int, blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
