@@ -156,6 +156,24 @@ def test_failed_collective_raises_from_wait():
     run_torch(2, "work_error")
 
 
+def check_ddp_peer_raises(env: dict[str, str]) -> None:
+    """tests/torch_workers.py ddp_peer_raises under torchrun, whose monitor waits 5 s before it stops the other
+    rank (time for rank 0 to report): rank 0 names rank 1 and its error, and no rank dies of a signal."""
+    launch = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "5"]
+    proc = subprocess.run(torchrun_cmd(2, WORKERS, "ddp_peer_raises", launch=launch), env=job_env(env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=100)
+    said = proc.stdout + proc.stderr[-6000:]
+    got = next((x for x in proc.stdout.splitlines() if x.startswith("rank 0 got")), None)
+    assert got is not None and "rank 1" in got and "out of memory" in got, said
+    assert "SIGSEGV" not in proc.stderr and "exitcode: -11" not in proc.stderr, said
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_in_ddp_is_named_by_its_peer():
+    """Two CPU islands on one host (shared memory between them)."""
+    check_ddp_peer_raises({"TEST_ISLANDS": "cpu-0,cpu-1", "HETCCL_TIMEOUT": "20"})
+
+
 @pytest.mark.timeout(120)
 def test_all_gather_coalesced_layout_matches_gloo(tmp_path):
     """torch's layout output_tensor_lists[rank][input], in the square case (2 ranks, 2 inputs) where the

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from gpu_marks import GPU_ENV, NGPU, needs_1, needs_2
-from test_torch_backend import close, job_env, run_torch, run_torchrun
+from test_torch_backend import check_ddp_peer_raises, close, job_env, run_torch, run_torchrun
 
 # NCCL can't put two ranks on one GPU; Gloo takes CUDA tensors for all_reduce / broadcast (what DDP uses)
 REFERENCE = "nccl" if NGPU >= 2 else "gloo"
@@ -285,6 +285,16 @@ def test_peer_failure_surfaces(islands, how):
     want = "PeerLostError" if how == "dead" else "CollectiveTimeout"
     line = next(x for x in proc.stdout.splitlines() if "rank 0 got" in x)
     assert want in line or (how == "dead" and "lost" in line), line
+
+
+@needs_1
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("order", ["stream", "held"])
+def test_a_rank_that_raises_in_ddp_is_named_by_its_peer_on_gpu(order):
+    """Two GPU islands as other hosts, DDP: rank 1 raises mid-training; rank 0 gets an error naming it, and no
+    rank dies of a signal (tests/torch_workers.py ddp_peer_raises)."""
+    held = {"HETCCL_TORCH_STREAM_ORDER": "0"} if order == "held" else {}
+    check_ddp_peer_raises({**TWO_ISLANDS, **PATHS["hosts"], **held, "HETCCL_TIMEOUT": "20"})
 
 
 @needs_2

@@ -880,6 +880,31 @@ def case_peer_fails(how: str) -> None:
     os._exit(0)
 
 
+def case_ddp_peer_raises() -> None:
+    """DDP; rank 1 raises in its fourth step (as a CUDA out-of-memory would) and exits with that error. Rank 0,
+    in that step's backward or the next, gets an error that names rank 1 (DDP's reducer crashed it with SIGSEGV
+    before: it read the error as tensors), prints it and exits 0."""
+    dev = _init()
+    r = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).to(dev))
+    try:
+        for step in range(20):
+            loss = model(torch.randn(32, 64, device=dev)).square().mean()
+            if r == 1 and step == 3:
+                raise MemoryError("rank 1 ran out of memory (the test's)")
+            loss.backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (through DDP's future: a RuntimeError that carries hetccl's message)
+        print(f"rank 0 got {type(exc).__name__}: {exc}", flush=True)
+        os._exit(0)
+    raise AssertionError("rank 0 trained on after rank 1 failed")
+
+
 def case_nccl_builds() -> None:
     """Every op on islands that each load their own NCCL build (TEST_NCCL_LIBS); each rank then prints the
     library its island used, for the test to check that the builds differ."""

@@ -219,6 +219,10 @@ def _same_shapes(ts: Sequence[torch.Tensor], ref: torch.Tensor, what: str) -> No
                                    f"({ref.numel()} x {ref.dtype}; got {t.numel()} x {t.dtype})")
 
 
+def _value(fut: torch.futures.Future) -> Any:
+    return fut.value()  # raises the operation's error
+
+
 class _FutureWork(dist.Work):
     """A Work backed by a torch Future that the hetccl loop completes. Not torch's _create_work_from_future:
     its wait() returns True even when the future holds an error, so a failed collective (a timeout, a lost
@@ -227,13 +231,20 @@ class _FutureWork(dist.Work):
     def __init__(self, fut: torch.futures.Future, source: list[int] | None = None):
         super().__init__()
         self._fut, self._source = fut, source
+        self._chained: torch.futures.Future | None = None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._fut.wait()  # raises the operation's error
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._fut
+        """The future for C++ consumers too (DDP's reducer and its built-in hooks): Future.set_exception keeps
+        the exception as the future's value, which only Python unwraps; C++ read it as tensors and crashed
+        (SIGSEGV in parseCppCommHookResult when a peer died mid-backward). A Python callback that raises marks
+        the future it returns with a real error, which C++ raises."""
+        if self._chained is None:
+            self._chained = self._fut.then(_value)
+        return self._chained
 
     def is_completed(self) -> bool:
         return self._fut.done()
