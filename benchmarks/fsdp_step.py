@@ -30,7 +30,8 @@ Parts (`--only fsdp,ddp,ops,overlap`), all through torch.distributed:
 2. ddp: the same model in DistributedDataParallel, bf16 autocast, AdamW; the same steps.
 3. ops: all_gather_into_tensor (bf16, output 4/16/25/64/100 MiB), reduce_scatter_tensor (fp32, input
    8/16/50/64/200 MiB), all_reduce (fp32, 8/16/50/64/200 MiB). Per size: the first call is checked (rank-valued inputs),
-   one warm-up call, then per repetition a barrier + synchronize, k calls back to back, synchronize; time = elapsed / k
+   k warm-up calls back to back (the pinned staging of k calls in flight is allocated once, as in a training loop's
+   steady state), then per repetition a barrier + synchronize, k calls back to back, synchronize; time = elapsed / k
    (k 5, --quick 2), the slowest rank's, median of 3 repetitions (--quick 1). algbw = bytes / time (the output of
    all_gather, the input of reduce_scatter, the buffer of all_reduce), busbw = algbw x (n-1)/n (all_gather,
    reduce_scatter), x 2(n-1)/n (all_reduce), as nccl-tests.
@@ -308,7 +309,9 @@ class Worker:
                 call()
                 self.sync()
                 ok = check()
-                call()  # warm-up
+                for _ in range(k):  # warm-up as timed: staging buffers for k calls in flight, as a training loop
+                    call()          # keeps them from step to step (their first allocation is not the op's time)
+                self.sync()
                 times = []
                 for _ in range(self.a.reps):
                     dist.barrier()
