@@ -212,6 +212,7 @@ async def scrape_each_other(comm) -> None:
     fab = comm._fabric
     assert fab.topology.local_rank(comm.rank) == 0 and fab.topology.machine_rank(comm.rank) == comm.rank
     base = int(os.environ["HETCCL_METRICS_PORT"])
+    await comm.barrier()  # every rank's exporter is up (each starts at the end of its own init)
     for q in range(comm.size):
         text = await asyncio.to_thread(_scrape, base + q)
         assert f'rank="{q}"' in text, text[-2000:]
