@@ -126,6 +126,36 @@ class StoreServer:
             return {"err": f"gather: {after!r} is set but {len(missing)} of the {count} keys are missing"}
         return {"values": [self.data[k] for k in keys]}
 
+    async def _arrive(self, key: str, count: Any, sets: Any, gather: Any, timeout: float) -> dict[str, Any]:
+        """A barrier's arrival in one request: the keys of `sets` stored first, then 1 added at `key`, the
+        count-th arrival setting `key/all`; the reply waits up to the timeout for `key/all` (0: answers at
+        once), with the values of gather/0 .. gather/count-1 where `gather` is given (and which are missing,
+        on the timeout)."""
+        if not isinstance(count, int) or not 1 <= count <= 1 << 20:
+            return {"err": "arrive takes a count (1 .. 2^20)"}
+        if sets is not None and (not isinstance(sets, dict) or len(sets) > 8
+                                 or not all(isinstance(k, str) for k in sets)):
+            return {"err": "arrive's sets must map at most 8 string keys to values"}
+        if gather is not None and not isinstance(gather, str):
+            return {"err": "arrive's gather must be a key prefix"}
+        cur = self.data.get(key, 0)
+        if not isinstance(cur, int):
+            return {"err": f"key {key!r} does not hold an integer"}
+        for k, v in (sets or {}).items():
+            self.data[k] = v
+            self._wake(k)
+        self.data[key] = cur + 1
+        self._wake(key)
+        done = f"{key}/all"
+        if cur + 1 == count:
+            self.data[done] = 1
+            self._wake(done)
+        if gather is not None:
+            return await self._gather(gather, count, done, timeout)
+        if not await self._wait_for(done, timeout):
+            return {"timeout": True, "value": cur + 1}
+        return {"value": cur + 1}
+
     def _wake(self, key: str) -> None:
         ev = self.events.get(key)
         if ev is not None:
@@ -163,6 +193,11 @@ class StoreServer:
             if not await self._wait_for(key, float(timeout)):
                 return {"timeout": True}
             return {"value": self.data[key]}
+        if cmd == "arrive":
+            timeout = req.get("timeout", 0) or 0
+            if not isinstance(timeout, int | float):
+                return {"err": "timeout must be a number"}
+            return await self._arrive(key, req.get("count"), req.get("sets"), req.get("gather"), float(timeout))
         if cmd == "add":
             delta = req.get("value", 1)
             if not isinstance(delta, int):
@@ -290,16 +325,39 @@ class StoreClient:
             return None, list(reply.get("missing", []))
         return reply["values"], []
 
+    async def arrive_in(self, key: str, count: int, timeout: float, sets: dict[str, Any] | None = None) -> bool:
+        """One request: the keys of `sets` stored, then 1 added at `key` (the count-th arrival sets `key/all`),
+        then a wait of up to `timeout` s for `key/all`: whether every caller arrived by then."""
+        req = {"cmd": "arrive", "key": key, "count": count, "timeout": timeout}
+        if sets:
+            req["sets"] = sets
+        return not (await self._request(req, timeout)).get("timeout")
+
+    async def arrive_gather(self, key: str, count: int, timeout: float, prefix: str,
+                            sets: dict[str, Any] | None = None) -> tuple[list[Any] | None, list[int]]:
+        """arrive_in, whose answer is gather's once every caller arrived: (the values of prefix/0 ..
+        prefix/count-1, []), or (None, the indices still missing) when the timeout passes first."""
+        req = {"cmd": "arrive", "key": key, "count": count, "timeout": timeout, "gather": prefix}
+        if sets:
+            req["sets"] = sets
+        reply = await self._request(req, timeout)
+        if reply.get("timeout"):
+            return None, list(reply.get("missing", []))
+        return reply["values"], []
+
     async def count_in(self, key: str, count: int) -> str:
-        """Add 1 at `key`; the count-th caller sets `key/all`. Returns that key, which the callers wait for."""
-        if await self.add(key, 1) == count:
-            await self.set(f"{key}/all", 1)
+        """Add 1 at `key` (one request); the count-th caller sets `key/all`. Returns that key, which the callers
+        wait for."""
+        await self.arrive_in(key, count, 0.0)
         return f"{key}/all"
 
     async def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
-        """A barrier of `count` callers in three requests each, whatever `count` (count_in, then a wait for
-        `key/all`; CollectiveTimeout past the timeout)."""
-        await self.get(await self.count_in(key, count), timeout)
+        """A barrier of `count` callers in one request each, whatever `count` (CollectiveTimeout past the
+        timeout)."""
+        t = self.timeout if timeout is None else timeout
+        if not await self.arrive_in(key, count, t):
+            raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key + '/all'!r}; "
+                                    "a rank never arrived (crashed, or started with another world size?)")
 
     async def add(self, key: str, delta: int = 1) -> int:
         return int((await self._request({"cmd": "add", "key": key, "value": delta}))["value"])
