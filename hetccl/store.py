@@ -237,16 +237,25 @@ class StoreServer:
 
 
 class StoreClient:
-    """One authenticated connection to the store; requests are serialised on it."""
+    """One authenticated connection to the store; requests are serialised on it. idle() closes it until the
+    next request, which connects again: the store's host then holds no socket for each rank of the job."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float, rank: int = -1):
         self.host, self.port, self.secret, self.timeout, self.rank = host, port, secret, timeout, rank
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
+        self._idle = False  # the connection was closed by idle(): the next request connects again
 
-    async def connect(self, notes: Any = None) -> None:
+    def idle(self) -> None:
+        """Close the connection until the next request (none is in flight on it)."""
+        if self._sock is not None and not self._lock.locked():
+            self._sock.close()
+            self._sock, self._idle = None, True
+
+    async def connect(self, notes: Any = None, again: bool = False) -> None:
         """Connect and authenticate, retrying until the store answers or the timeout; `notes` (waits.WaitNotes)
-        prints a line on stderr now and then while it does not."""
+        prints a line on stderr now and then while it does not. `again` (after idle()): a store that refuses
+        the connection is gone, a PeerLostError at once (at the first connect, it may not listen yet)."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
         # a burst of ranks overflows the server's accept queue: a connection caught there may wait for SYN-ACK
@@ -270,6 +279,9 @@ class StoreClient:
                 raise
             except (OSError, TimeoutError, PeerLostError) as exc:
                 sock.close()
+                if again and isinstance(exc, ConnectionRefusedError):
+                    raise PeerLostError(f"rank {self.rank}: the rendezvous store at {self.host}:{self.port} refuses "
+                                        "connections; its host (rank 0, or the launcher) probably died", 0) from None
                 last = exc
             if time.monotonic() + delay > deadline:
                 raise CollectiveTimeout(
@@ -281,11 +293,15 @@ class StoreClient:
             delay, attempt_s = min(delay * 2, 0.5), min(attempt_s * 2, 30.0)
 
     async def _request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._sock is None:
+        if self._sock is None and not self._idle:
             raise HetcclError("store client is closed")
         loop = asyncio.get_running_loop()
         wait = (timeout if timeout is not None else self.timeout) + 10.0
         async with self._lock:
+            if self._sock is None:
+                await self.connect(again=True)
+                self._idle = False
+            assert self._sock is not None
             try:
                 await write_control(loop, self._sock, req, MAX_STORE_FRAME, peer=0)
                 reply = await asyncio.wait_for(read_control(loop, self._sock, MAX_STORE_FRAME, peer=0), wait)
@@ -377,6 +393,7 @@ class StoreClient:
         return int((await self._request({"cmd": "prune", "key": prefix}))["value"])
 
     def close(self) -> None:
+        self._idle = False
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -319,6 +319,27 @@ async def test_store_loss_is_peer_lost(clients: Callable) -> None:
             await asyncio.sleep(0.02)
 
 
+async def test_an_idle_client_connects_again_and_sees_a_dead_store_at_once(clients: Callable) -> None:
+    """idle() closes the connection (the store's host keeps no socket per rank after init); the next request
+    connects and authenticates again; and where the store is gone by then, that request is a PeerLostError at
+    once, not a wait for a store that may not listen yet, as at the first connect."""
+    srv = await _make_server(0.5)
+    c = await clients(srv, timeout=30.0)
+    await c.set("x", 1)
+    c.idle()
+    assert c._sock is None
+    assert await c.get("x", timeout=1) == 1 and c._sock is not None
+    c.idle()
+    await srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="refuses connections"):
+        await c.get("x", timeout=1)
+    assert time.monotonic() - t0 < 5
+    c.close()
+    with pytest.raises(HetcclError, match="closed"):
+        await c.get("x", timeout=1)
+
+
 async def test_connect_to_nobody_raises_collective_timeout() -> None:
     with socket.socket() as s:  # a port that was free a moment ago and has no listener now
         s.bind((HOST, 0))
