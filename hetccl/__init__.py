@@ -75,6 +75,8 @@ async def init(rank: int | None = None, world_size: int | None = None, addr: str
         from . import hierarchical
 
         await hierarchical.build_layout(comm)
+    if fabric.store is not None:  # the store's host keeps no socket per rank; a later request connects again
+        fabric.store.idle()
     return comm
 
 

@@ -277,7 +277,6 @@ class Fabric:
                 "agree": params.agreed(s), "fds": fd_state(self.server is not None)}
         if inbox is not None:
             mine["records_inbox"] = list(inbox_addr)
-        await self.store.set(f"{self.job}/rank/{rank}", mine)
         self.records = await self._read_records(mine)
         try:
             await self._use_records(ctx, bind)
@@ -291,18 +290,17 @@ class Fabric:
         assert self.store is not None
         s, rank, size = self.settings, self.rank, self.size
         self.store_external = not any(rec.get("fds", (-1, 0, 0))[2] for rec in self.records)  # nobody serves it
-        all_read = await self.store.count_in(f"{self.job}/records-read", size)
         topology = Topology([rec["host"] for rec in self.records],
                             [rec.get("machine", rec["host"]) for rec in self.records])
         try:
             check_agreement(self.records)
             check_fd_room(self.records, topology)
         except ConfigError:
-            # every rank raises it: each first waits (bounded) until every rank has the records, so that the store
-            # outlives their reads and no rank exits (and a launcher stops the rest) before the others see it too:
-            # down the records tree, ranks get them at different times
+            # every rank raises it (the same records, the same checks): each first waits (bounded) until every
+            # rank has the records, so that the store outlives their reads and no rank exits (and a launcher stops
+            # the rest) before the others see it too: down the records tree, ranks get them at different times
             with contextlib.suppress(HetcclError, OSError, TimeoutError):
-                await self.store.wait(all_read, min(10.0, s.timeout))
+                await self.store.arrive(f"{self.job}/records-read", size, min(10.0, s.timeout))
             raise
         self.topology = topology
         ctx.local_ranks = self.topology.local_ranks(rank)
@@ -345,24 +343,31 @@ class Fabric:
         return m
 
     async def _read_records(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's record (this rank's is in the store), waiting at most the timeout for all of them, in a
-        few round trips per rank whatever the size, and about N records sent by the store in all: a count of the
-        ranks that joined, whose last sets `joined/all`; then rank 0 gathers every record from the store and
-        pushes them down the records tree (recordtree.py), while the other ranks wait for `joined/all`, then
+        """Every rank's record, waiting at most the timeout for all of them, in one request per rank whatever the
+        size, and about N records sent by the store in all: each rank stores `mine` and counts itself in the
+        ranks that joined (the last sets `joined/all`) in one arrival; rank 0's answer is every record once all
+        joined, which it pushes down the records tree (recordtree.py), the other ranks' that all joined, then
         for the records from the tree, forward them below and use them. A rank that has not received them
         RECORDS_TREE_WAIT_S after `joined/all` gathers them from the store, as rank 0 did. While ranks are
         missing, say which now and then (waits.WaitNotes), asking again between the lines."""
         assert self.store is not None
         notes = WaitNotes(self.settings)
         deadline = time.monotonic() + self.settings.timeout
-        joined = await self.store.count_in(f"{self.job}/joined", self.size)
+        # one request stores this rank's record, counts it in and waits (for rank 0: gathers) until every rank has
+        first = max(0.0, min(deadline - time.monotonic(), notes.until_next()))
+        count, joined, mine_key = f"{self.job}/joined", f"{self.job}/joined/all", f"{self.job}/rank/{self.rank}"
         inbox = self._inbox
         try:
             if inbox is None:
-                recs = await self._store_records(joined, deadline, notes)
+                recs, missing = await self.store.arrive_gather(count, self.size, first, f"{self.job}/rank",
+                                                               {mine_key: mine})
+                if recs is None:
+                    self._missing(missing, deadline, notes)
+                    recs = await self._store_records(joined, deadline, notes)
                 self._push_stored(recs)
             else:
-                recs = await self._wait_all_joined(joined, deadline, notes)
+                waited = not await self.store.arrive_in(count, self.size, first, {mine_key: mine})
+                recs = await self._wait_all_joined(joined, deadline, notes, waited) if waited else None
                 if recs is not None:  # the store gave them as the last rank joined: the ranks below wait for them
                     self._push_stored(recs)
                 else:
@@ -396,15 +401,17 @@ class Fabric:
                 return recs
             self._missing(missing, deadline, notes)
 
-    async def _wait_all_joined(self, joined: str, deadline: float, notes: WaitNotes) -> list[dict[str, Any]] | None:
+    async def _wait_all_joined(self, joined: str, deadline: float, notes: WaitNotes,
+                               waited: bool = False) -> list[dict[str, Any]] | None:
         """Until key `joined` exists (every rank joined), within `deadline`, saying which ranks are missing now
         and then as _store_records does (a gather that answers at once: the missing ranks, or every record when
-        the last rank joined just then: those are returned; else None)."""
+        the last rank joined just then: those are returned; else None). `waited`: a first wait just ended."""
         assert self.store is not None
         while True:
             left = deadline - time.monotonic()
-            if await self.store.wait(joined, max(0.0, min(left, notes.until_next()))):
+            if not waited and await self.store.wait(joined, max(0.0, min(left, notes.until_next()))):
                 return None
+            waited = False
             recs, missing = await self.store.gather(f"{self.job}/rank", self.size, joined, timeout=0)
             if recs is not None:
                 return recs

@@ -126,6 +126,36 @@ class StoreServer:
             return {"err": f"gather: {after!r} is set but {len(missing)} of the {count} keys are missing"}
         return {"values": [self.data[k] for k in keys]}
 
+    async def _arrive(self, key: str, count: Any, sets: Any, gather: Any, timeout: float) -> dict[str, Any]:
+        """A barrier's arrival in one request: the keys of `sets` stored first, then 1 added at `key`, the
+        count-th arrival setting `key/all`; the reply waits up to the timeout for `key/all` (0: answers at
+        once), with the values of gather/0 .. gather/count-1 where `gather` is given (and which are missing,
+        on the timeout)."""
+        if not isinstance(count, int) or not 1 <= count <= 1 << 20:
+            return {"err": "arrive takes a count (1 .. 2^20)"}
+        if sets is not None and (not isinstance(sets, dict) or len(sets) > 8
+                                 or not all(isinstance(k, str) for k in sets)):
+            return {"err": "arrive's sets must map at most 8 string keys to values"}
+        if gather is not None and not isinstance(gather, str):
+            return {"err": "arrive's gather must be a key prefix"}
+        cur = self.data.get(key, 0)
+        if not isinstance(cur, int):
+            return {"err": f"key {key!r} does not hold an integer"}
+        for k, v in (sets or {}).items():
+            self.data[k] = v
+            self._wake(k)
+        self.data[key] = cur + 1
+        self._wake(key)
+        done = f"{key}/all"
+        if cur + 1 == count:
+            self.data[done] = 1
+            self._wake(done)
+        if gather is not None:
+            return await self._gather(gather, count, done, timeout)
+        if not await self._wait_for(done, timeout):
+            return {"timeout": True, "value": cur + 1}
+        return {"value": cur + 1}
+
     def _wake(self, key: str) -> None:
         ev = self.events.get(key)
         if ev is not None:
@@ -163,6 +193,11 @@ class StoreServer:
             if not await self._wait_for(key, float(timeout)):
                 return {"timeout": True}
             return {"value": self.data[key]}
+        if cmd == "arrive":
+            timeout = req.get("timeout", 0) or 0
+            if not isinstance(timeout, int | float):
+                return {"err": "timeout must be a number"}
+            return await self._arrive(key, req.get("count"), req.get("sets"), req.get("gather"), float(timeout))
         if cmd == "add":
             delta = req.get("value", 1)
             if not isinstance(delta, int):
@@ -202,16 +237,25 @@ class StoreServer:
 
 
 class StoreClient:
-    """One authenticated connection to the store; requests are serialised on it."""
+    """One authenticated connection to the store; requests are serialised on it. idle() closes it until the
+    next request, which connects again: the store's host then holds no socket for each rank of the job."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float, rank: int = -1):
         self.host, self.port, self.secret, self.timeout, self.rank = host, port, secret, timeout, rank
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
+        self._idle = False  # the connection was closed by idle(): the next request connects again
 
-    async def connect(self, notes: Any = None) -> None:
+    def idle(self) -> None:
+        """Close the connection until the next request (none is in flight on it)."""
+        if self._sock is not None and not self._lock.locked():
+            self._sock.close()
+            self._sock, self._idle = None, True
+
+    async def connect(self, notes: Any = None, again: bool = False) -> None:
         """Connect and authenticate, retrying until the store answers or the timeout; `notes` (waits.WaitNotes)
-        prints a line on stderr now and then while it does not."""
+        prints a line on stderr now and then while it does not. `again` (after idle()): a store that refuses
+        the connection is gone, a PeerLostError at once (at the first connect, it may not listen yet)."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
         # a burst of ranks overflows the server's accept queue: a connection caught there may wait for SYN-ACK
@@ -235,6 +279,9 @@ class StoreClient:
                 raise
             except (OSError, TimeoutError, PeerLostError) as exc:
                 sock.close()
+                if again and isinstance(exc, ConnectionRefusedError):
+                    raise PeerLostError(f"rank {self.rank}: the rendezvous store at {self.host}:{self.port} refuses "
+                                        "connections; its host (rank 0, or the launcher) probably died", 0) from None
                 last = exc
             if time.monotonic() + delay > deadline:
                 raise CollectiveTimeout(
@@ -246,11 +293,15 @@ class StoreClient:
             delay, attempt_s = min(delay * 2, 0.5), min(attempt_s * 2, 30.0)
 
     async def _request(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self._sock is None:
+        if self._sock is None and not self._idle:
             raise HetcclError("store client is closed")
         loop = asyncio.get_running_loop()
         wait = (timeout if timeout is not None else self.timeout) + 10.0
         async with self._lock:
+            if self._sock is None:
+                await self.connect(again=True)
+                self._idle = False
+            assert self._sock is not None
             try:
                 await write_control(loop, self._sock, req, MAX_STORE_FRAME, peer=0)
                 reply = await asyncio.wait_for(read_control(loop, self._sock, MAX_STORE_FRAME, peer=0), wait)
@@ -290,16 +341,39 @@ class StoreClient:
             return None, list(reply.get("missing", []))
         return reply["values"], []
 
+    async def arrive_in(self, key: str, count: int, timeout: float, sets: dict[str, Any] | None = None) -> bool:
+        """One request: the keys of `sets` stored, then 1 added at `key` (the count-th arrival sets `key/all`),
+        then a wait of up to `timeout` s for `key/all`: whether every caller arrived by then."""
+        req = {"cmd": "arrive", "key": key, "count": count, "timeout": timeout}
+        if sets:
+            req["sets"] = sets
+        return not (await self._request(req, timeout)).get("timeout")
+
+    async def arrive_gather(self, key: str, count: int, timeout: float, prefix: str,
+                            sets: dict[str, Any] | None = None) -> tuple[list[Any] | None, list[int]]:
+        """arrive_in, whose answer is gather's once every caller arrived: (the values of prefix/0 ..
+        prefix/count-1, []), or (None, the indices still missing) when the timeout passes first."""
+        req = {"cmd": "arrive", "key": key, "count": count, "timeout": timeout, "gather": prefix}
+        if sets:
+            req["sets"] = sets
+        reply = await self._request(req, timeout)
+        if reply.get("timeout"):
+            return None, list(reply.get("missing", []))
+        return reply["values"], []
+
     async def count_in(self, key: str, count: int) -> str:
-        """Add 1 at `key`; the count-th caller sets `key/all`. Returns that key, which the callers wait for."""
-        if await self.add(key, 1) == count:
-            await self.set(f"{key}/all", 1)
+        """Add 1 at `key` (one request); the count-th caller sets `key/all`. Returns that key, which the callers
+        wait for."""
+        await self.arrive_in(key, count, 0.0)
         return f"{key}/all"
 
     async def arrive(self, key: str, count: int, timeout: float | None = None) -> None:
-        """A barrier of `count` callers in three requests each, whatever `count` (count_in, then a wait for
-        `key/all`; CollectiveTimeout past the timeout)."""
-        await self.get(await self.count_in(key, count), timeout)
+        """A barrier of `count` callers in one request each, whatever `count` (CollectiveTimeout past the
+        timeout)."""
+        t = self.timeout if timeout is None else timeout
+        if not await self.arrive_in(key, count, t):
+            raise CollectiveTimeout(f"rank {self.rank}: waited {t:.0f} s for store key {key + '/all'!r}; "
+                                    "a rank never arrived (crashed, or started with another world size?)")
 
     async def add(self, key: str, delta: int = 1) -> int:
         return int((await self._request({"cmd": "add", "key": key, "value": delta}))["value"])
@@ -319,6 +393,7 @@ class StoreClient:
         return int((await self._request({"cmd": "prune", "key": prefix}))["value"])
 
     def close(self) -> None:
+        self._idle = False
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -184,6 +184,37 @@ async def test_gather_answers_every_key_once_the_after_key_is_set(server: StoreS
         await c.gather("job/rank", -1, "job/all", timeout=1)
 
 
+async def test_an_arrival_is_one_request(server: StoreServer, clients: Callable) -> None:
+    """A barrier's arrival: its keys stored first, the count, `key/all` set by the last, the answer once every
+    caller arrived (or on the timeout: the arrival still counts), every record for a gathering caller; bad
+    counts, sets and counters refused."""
+    a, b, c = [await clients(server, rank=r) for r in range(3)]
+    served = server.served
+    assert not await a.arrive_in("j/joined", 3, 0.1, {"j/rank/0": {"r": 0}})
+    first = asyncio.ensure_future(a.arrive_gather("j/joined", 3, 10, "j/rank", {"j/rank/0": {"r": 0}}))
+    second = asyncio.ensure_future(b.arrive_in("j/joined2", 2, 10))
+    await asyncio.sleep(0.1)
+    assert not first.done() and not second.done()
+    # a's two arrivals count twice: the count, not who arrived, completes a barrier
+    assert await c.arrive_in("j/joined", 3, 10, {"j/rank/1": [1], "j/rank/2": 2}) is True
+    assert await asyncio.wait_for(first, 5) == ([{"r": 0}, [1], 2], [])
+    await c.arrive("j/joined2", 2, timeout=5)
+    assert await asyncio.wait_for(second, 5) is True
+    assert server.served - served == 5
+    assert await a.get("j/joined") == 3 and await a.get("j/joined/all") == 1
+    assert await a.count_in("j/one", 1) == "j/one/all" and await a.get("j/one/all", timeout=1) == 1
+    with pytest.raises(CollectiveTimeout, match="j/never/all"):
+        await a.arrive("j/never", 2, timeout=0.2)
+    for req, what in [({"count": 0}, "count"), ({"count": 2, "sets": [1]}, "sets"),
+                      ({"count": 2, "sets": {str(i): i for i in range(9)}}, "sets"),
+                      ({"count": 2, "gather": 5}, "gather")]:
+        with pytest.raises(HetcclError, match=what):
+            await a._request({"cmd": "arrive", "key": "j/bad", **req})
+    await a.set("j/text", "x")
+    with pytest.raises(HetcclError, match="integer"):
+        await a.arrive_in("j/text", 2, 0)
+
+
 async def test_get_short_timeout_raises_collective_timeout(server: StoreServer, clients: Callable) -> None:
     c = await clients(server, rank=3)
     t0 = time.monotonic()
@@ -286,6 +317,27 @@ async def test_store_loss_is_peer_lost(clients: Callable) -> None:
         for _ in range(50):  # the first write may still be buffered by the kernel
             await c.get("x", timeout=1)
             await asyncio.sleep(0.02)
+
+
+async def test_an_idle_client_connects_again_and_sees_a_dead_store_at_once(clients: Callable) -> None:
+    """idle() closes the connection (the store's host keeps no socket per rank after init); the next request
+    connects and authenticates again; and where the store is gone by then, that request is a PeerLostError at
+    once, not a wait for a store that may not listen yet, as at the first connect."""
+    srv = await _make_server(0.5)
+    c = await clients(srv, timeout=30.0)
+    await c.set("x", 1)
+    c.idle()
+    assert c._sock is None
+    assert await c.get("x", timeout=1) == 1 and c._sock is not None
+    c.idle()
+    await srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="refuses connections"):
+        await c.get("x", timeout=1)
+    assert time.monotonic() - t0 < 5
+    c.close()
+    with pytest.raises(HetcclError, match="closed"):
+        await c.get("x", timeout=1)
 
 
 async def test_connect_to_nobody_raises_collective_timeout() -> None:

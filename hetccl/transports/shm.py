@@ -284,7 +284,7 @@ class ShmTransport(Transport):
         for i, p in enumerate(order):
             self.in_rings[p] = _Ring(self.seg.mem, self.seg.cbase, SEG_HEADER + i * ring_size, self.slots,
                                      self.slot_bytes, p)
-        # the host's ranks meet twice on the store (segments made, then mapped), in O(1) requests each
+        # the host's ranks meet twice on the store (segments made, then mapped), in one request each
         store, key = ctx.store, f"{ctx.job}/shm/{min(order[0], ctx.rank)}"
         await store.arrive(f"{key}/created", len(order) + 1)
         for p in order:
