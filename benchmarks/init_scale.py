@@ -6,7 +6,8 @@ another checkout (--repo) in one run, the two interleaved size by size.
 Per job: every rank's time from its launch to the end of `hetccl.init()` (the slowest rank's), the first
 all_reduce (4 KiB, the slowest rank's), open files and peak RSS per rank (the largest), and the requests rank
 0's store served by then and the bytes it sent (a checkout without the count says "-"). The ranks oversubscribe
-the cores, as the issue's figures did, so the times are the machine's, not a cluster's.
+the cores, as the issue's figures did, so the times are the machine's, not a cluster's. Then a model, each
+measure as a + b N fitted over the sizes run, shown beside each measurement and projected to --project ranks.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--per-host", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
+    ap.add_argument("--project", type=int, default=8192, help="the size the model projects to (0: no model)")
     a = ap.parse_args()
     variants = [("this", None)] + ([("before", a.repo)] if a.repo else [])
     print(f"# init at scale, hosts of {a.per_host} ranks; {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; "
@@ -87,6 +89,7 @@ def main() -> None:
     print("| ranks | variant | init s | first all_reduce ms | open files per rank | peak RSS MB | store requests "
           "| store bytes sent |")
     print("|---|---|---|---|---|---|---|---|")
+    medians: dict[int, dict] = {}  # this checkout's medians per size, for the model
     for n in (int(x) for x in a.ranks.split(",")):
         got: dict[str, list[dict]] = {v: [] for v, _ in variants}
         for _ in range(a.reps):
@@ -96,9 +99,37 @@ def main() -> None:
             rows = got[v]
             med = {k: statistics.median(r[k] for r in rows) for k in ("init", "first", "fds", "rss")}
             served, sent = rows[0]["served"], rows[0]["sent"]
+            if v == "this":
+                medians[n] = {**med, "served": served}
             print(f"| {n} | {v} | {med['init']:.2f} | {med['first'] * 1e3:.1f} | {med['fds']:.0f} | "
                   f"{med['rss']:.0f} | {served if served >= 0 else '-'} | {sent if sent >= 0 else '-'} |",
                   flush=True)
+    if a.project and len(medians) >= 2:
+        print_model(medians, a.project)
+
+
+MODEL = [("init", "init s"), ("fds", "open files per rank"), ("rss", "peak RSS MB"), ("served", "store requests")]
+
+
+def print_model(medians: dict[int, dict], target: int) -> None:
+    """Each measure fitted as a + b N (least squares over the sizes run), its value beside each measurement
+    (the check), and its projection to `target` ranks. Connections: HETCCL_CONNECT as set for the runs (eager
+    below HETCCL_CONNECT_LAZY_FROM ranks by default): a fit of eager runs projects every peer connected."""
+    import numpy as np
+
+    sizes = sorted(medians)
+    mode = os.environ.get("HETCCL_CONNECT", "auto (eager below 256 ranks)")
+    print(f"\n# model: a + b N over N = {', '.join(map(str, sizes))} (this checkout, HETCCL_CONNECT={mode})")
+    print("| measure | a | b per rank | " + " | ".join(f"N={n}: model / measured" for n in sizes)
+          + f" | N={target} |")
+    print("|---|---|---|" + "---|" * len(sizes) + "---|")
+    for key, name in MODEL:
+        ys = [float(medians[n][key]) for n in sizes]
+        b, a0 = np.polyfit(np.array(sizes, float), np.array(ys), 1)
+        if b < 0:  # no growth measured (the noise of a flat measure): flat, not a fall to zero
+            b, a0 = 0.0, float(np.mean(ys))
+        cells = " | ".join(f"{a0 + b * n:.1f} / {y:.1f}" for n, y in zip(sizes, ys, strict=True))
+        print(f"| {name} | {a0:.2f} | {b:.4f} | {cells} | {a0 + b * target:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
