@@ -54,8 +54,6 @@ def round_trip(b: Buf, wire: int, pieces: list[tuple[int, int]], n: int) -> Any:
     return out
 
 
-
-
 def _packed(group: Any, nbytes: int) -> tuple[Any, Buf]:
     scratch = group.scratch.take(nbytes)
     return scratch, Buf(scratch[:nbytes], DType.UINT8, nbytes)
@@ -124,9 +122,13 @@ async def all_reduce(leaders: Any, b: Buf, op: ReduceOp, wire: int, pieces: list
         await _settle(leaders, flying, sets)
 
 
-def piece_ranges(k: int, piece: int) -> list[tuple[int, int]]:
+def piece_slots(k: int, piece: int, wire: int) -> tuple[list[tuple[int, int]], int]:
+    """The pieces of `piece` elements of a leader's block of k (element ranges) that all_gather and
+    reduce_scatter below cross one collective each, and the bytes of a packed piece: what a GPU leader's
+    packing on its device matches collective for collective (hierarchical._packed_pieces)."""
     piece = max(1, piece)
-    return [(a, min(a + piece, k)) for a in range(0, max(k, 1), piece)]
+    ranges = [(a, min(a + piece, k)) for a in range(0, max(k, 1), piece)]
+    return ranges, native.wire_size(ranges[0][1] - ranges[0][0], wire)
 
 
 async def _pipelined(leaders: Any, count: int, sent_bytes: int, got_bytes: int,
@@ -155,8 +157,7 @@ async def _pipelined(leaders: Any, count: int, sent_bytes: int, got_bytes: int,
 async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: int, piece: int) -> None:
     """Pieces of `piece` elements of each leader's block, pipelined (_pipelined)."""
     n, k = leaders.size, out.count
-    ranges = piece_ranges(k, piece)
-    slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
+    ranges, slot = piece_slots(k, piece, wire)
 
     def pack(i: int, sent: Buf) -> None:
         a, b = ranges[i]
@@ -175,8 +176,7 @@ async def reduce_scatter(leaders: Any, out: Buf, inp: Buf, op: ReduceOp, wire: i
 async def all_gather(leaders: Any, out: Buf, inp: Buf, wire: int, piece: int) -> None:
     """Pieces of `piece` elements of each leader's block, pipelined (_pipelined); inp may be out's own block."""
     n, k = leaders.size, inp.count
-    ranges = piece_ranges(k, piece)
-    slot = native.wire_size(ranges[0][1] - ranges[0][0], wire)
+    ranges, slot = piece_slots(k, piece, wire)
 
     def pack(i: int, sent: Buf) -> None:
         a, b = ranges[i]

@@ -778,16 +778,16 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
         every = Buf(stage.host[k * starts[j]:k * (starts[j] + sizes[j])], wire_dtype, k * n)
         return lay.leaders.flat_all_gather(every, _sl(every, me * n, (me + 1) * n))
 
-    return stage, lambda: _in_flight(group, stage, [gather] * len(sizes), "cross-island all_reduce")
+    return stage, lambda: _in_flight(group, stage, len(sizes), gather, "cross-island all_reduce")
 
 
-async def _in_flight(group: Group, stage: Any, pieces: list[Callable[[int], Awaitable[None]]], what: str) -> None:
-    """An ordered host step piece by piece: piece i's collective (pieces[i](i)) starts once its copy has landed,
+async def _in_flight(group: Group, stage: Any, count: int, piece: Callable[[int], Awaitable[None]], what: str) -> None:
+    """An ordered host step in `count` pieces: piece i's collective (piece(i)) starts once its copy has landed,
     a few run at once, each started in piece order (so every leader numbers them alike), and piece i is let go
     to the stream once its collective is done."""
     inflight: list[tuple[int, asyncio.Future]] = []
     try:
-        for j, piece in enumerate(pieces):
+        for j in range(count):
             await stage.arrived(j, _deadline(group), what)
             if len(inflight) == _ORDERED_INFLIGHT:
                 i, first = inflight.pop(0)
@@ -900,8 +900,7 @@ def _packed_pieces(lay: Layout, count: int, isz: int, wire: int) -> tuple[list[t
     """The pieces (element ranges of a leader's block of `count`) and the bytes per packed piece of the host's
     compressed all_gather and reduce_scatter (compress.all_gather / reduce_scatter), which a GPU leader's
     packing on its device must match collective for collective."""
-    pieces = compress.piece_ranges(count, staging.STAGE_CHUNK // (isz * lay.leaders.size))
-    return pieces, native.wire_size(pieces[0][1] - pieces[0][0], wire)
+    return compress.piece_slots(count, staging.STAGE_CHUNK // (isz * lay.leaders.size), wire)
 
 
 def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, every: Any,
@@ -939,7 +938,7 @@ def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any,
         return lay.leaders.flat_all_gather(Buf(stage.host[m * slot + i * n * slot:][:n * slot], DType.UINT8, n * slot),
                                            Buf(stage.host[i * slot:(i + 1) * slot], DType.UINT8, slot))
 
-    return stage, lambda: _in_flight(group, stage, [gather] * m, "cross-island all_gather")
+    return stage, lambda: _in_flight(group, stage, m, gather, "cross-island all_gather")
 
 
 def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, region: Any,
@@ -984,7 +983,7 @@ def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: 
         return lay.leaders.flat_all_to_all(Buf(host[(m + i) * n * slot:(m + i + 1) * n * slot], DType.UINT8, n * slot),
                                            Buf(host[i * n * slot:(i + 1) * n * slot], DType.UINT8, n * slot))
 
-    return stage, lambda: _in_flight(group, stage, [swap] * m, "cross-island reduce_scatter")
+    return stage, lambda: _in_flight(group, stage, m, swap, "cross-island reduce_scatter")
 
 
 def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, b: DeviceBuf,

@@ -138,23 +138,32 @@ class StoreServer:
             return {"err": "arrive's sets must map at most 8 string keys to values"}
         if gather is not None and not isinstance(gather, str):
             return {"err": "arrive's gather must be a key prefix"}
-        cur = self.data.get(key, 0)
-        if not isinstance(cur, int):
-            return {"err": f"key {key!r} does not hold an integer"}
+        n = self._sum(key, 1)
+        if isinstance(n, str):
+            return {"err": n}
         for k, v in (sets or {}).items():
             self.data[k] = v
             self._wake(k)
-        self.data[key] = cur + 1
+        self.data[key] = n
         self._wake(key)
         done = f"{key}/all"
-        if cur + 1 == count:
+        if n == count:
             self.data[done] = 1
             self._wake(done)
         if gather is not None:
             return await self._gather(gather, count, done, timeout)
         if not await self._wait_for(done, timeout):
-            return {"timeout": True, "value": cur + 1}
-        return {"value": cur + 1}
+            return {"timeout": True, "value": n}
+        return {"value": n}
+
+    def _sum(self, key: str, delta: int) -> int | str:
+        """The integer at `key` (0 where absent) plus delta, or why it cannot be added (the reply's error)."""
+        cur = self.data.get(key, 0)
+        if not isinstance(cur, int):
+            return f"key {key!r} does not hold an integer"
+        if not -(1 << 63) <= cur + delta < 1 << 63:  # msgpack could not send it back: refuse, keep the key
+            return f"add on {key!r} would leave the 64-bit range"
+        return cur + delta
 
     def _wake(self, key: str) -> None:
         ev = self.events.get(key)
@@ -202,14 +211,12 @@ class StoreServer:
             delta = req.get("value", 1)
             if not isinstance(delta, int):
                 return {"err": "add takes an integer"}
-            cur = self.data.get(key, 0)
-            if not isinstance(cur, int):
-                return {"err": f"key {key!r} does not hold an integer"}
-            if not -(1 << 63) <= cur + delta < 1 << 63:  # msgpack could not send it back: refuse, keep the key
-                return {"err": f"add on {key!r} would leave the 64-bit range"}
-            self.data[key] = cur + delta
+            n = self._sum(key, delta)
+            if isinstance(n, str):
+                return {"err": n}
+            self.data[key] = n
             self._wake(key)
-            return {"value": cur + delta}
+            return {"value": n}
         if cmd == "check":
             return {"value": key in self.data}
         if cmd == "delete":
