@@ -113,7 +113,7 @@ def round_trip(t: Any, wire: int, pieces: list[tuple[int, int]], k: int) -> Any:
 
 
 def leader_blocks(count: int, k: int) -> list[tuple[int, int]]:
-    """The k blocks of a chunk of `count` values (compress._blocks): a leader's values cross in these."""
+    """The k blocks of a chunk of `count` values, here and in compress.py: a leader's values cross in these."""
     blk = -(-count // k)
     return [(min(j * blk, count), min((j + 1) * blk, count)) for j in range(k)]
 
