@@ -44,7 +44,7 @@ from .errors import (
 )
 from .matching import Matcher
 from .netio import route_source_addr
-from .recordtree import RECORDS_TREE_WAIT_S, RecordsInbox, push_records, records_frame
+from .recordtree import RECORDS_TREE_HOP_S, RecordsInbox, push_records, records_frame, records_wait
 from .store import StoreClient, StoreServer
 from .transports import registry
 from .transports.base import Endpoint, Transport, TransportContext, TransportProperties
@@ -348,8 +348,8 @@ class Fabric:
         ranks that joined (the last sets `joined/all`) in one arrival; rank 0's answer is every record once all
         joined, which it pushes down the records tree (recordtree.py), the other ranks' that all joined, then
         for the records from the tree, forward them below and use them. A rank that has not received them
-        RECORDS_TREE_WAIT_S after `joined/all` gathers them from the store, as rank 0 did. While ranks are
-        missing, say which now and then (waits.WaitNotes), asking again between the lines."""
+        `records_wait` after `joined/all` (a hop's budget per hop above it) gathers them from the store, as rank 0
+        did. While ranks are missing, say which now and then (waits.WaitNotes), asking again between the lines."""
         assert self.store is not None
         notes = WaitNotes(self.settings)
         deadline = time.monotonic() + self.settings.timeout
@@ -371,7 +371,7 @@ class Fabric:
                 if recs is not None:  # the store gave them as the last rank joined: the ranks below wait for them
                     self._push_stored(recs)
                 else:
-                    wait = 0.0 if inbox.deaf else RECORDS_TREE_WAIT_S
+                    wait = 0.0 if inbox.deaf else records_wait(self.rank)
                     recs = await inbox.wait(min(wait, deadline - time.monotonic()))
                     if recs is not None:
                         self._start_push(inbox.frame, recs)  # forward first: the ranks below wait for it
@@ -441,12 +441,13 @@ class Fabric:
 
     def _start_push(self, frame: bytes, records: list[dict[str, Any]]) -> None:
         """Push the records (their frame) to the ranks below this one in the records tree, in a task that
-        _end_push awaits: within RECORDS_TREE_WAIT_S, after which those ranks read the store instead."""
+        _end_push awaits: within two hops' budgets (RECORDS_TREE_HOP_S: its children, then their children where a
+        child cannot be reached), after which those ranks read the store instead."""
         def inbox_of(r: int) -> Any:
             return records[r].get("records_inbox")
 
         self._push = asyncio.ensure_future(push_records(self.rank, self.size, self.job, self.settings.secret, frame,
-                                                        inbox_of, RECORDS_TREE_WAIT_S))
+                                                        inbox_of, 2 * RECORDS_TREE_HOP_S))
 
     async def _end_push(self, cancel: bool = False) -> None:
         """Wait for this rank's push of the records (bounded: push_records' own deadline), or cancel it."""

@@ -10,7 +10,8 @@ publishes that address in the rank's record. The connection passes the HMAC hand
 size before anything is read, then a msgpack map {"records": [...]} decoded with the control plane's limits.
 
 Nothing here may hang or be less reliable than the store: a rank that has not received the records within
-RECORDS_TREE_WAIT_S of the last rank's arrival reads them from the store (bootstrap.py), and a parent that cannot
+RECORDS_TREE_HOP_S per hop above it (`records_wait`) of the last rank's arrival reads them from the store
+(bootstrap.py), and a parent that cannot
 reach a child pushes to that child's children instead (their new parent), so one lost rank costs the store one
 extra gather, not one per rank below it. Like NCCL's bootstrap, connections are made when needed and dropped
 after; unlike its ring (N steps of one record), the tree takes log_K(N) steps of all of them.
@@ -41,20 +42,35 @@ RECORDS_TREE_FANOUT = 4
 # A frame of N records is refused above N times this (and above the store's own frame bound, which the gather of
 # the same records had to pass at rank 0)
 RECORD_MAX_BYTES = 16 << 10
-# How long a rank waits for the records from the tree once every rank has joined (it learns that from the store),
-# before it reads them from the store instead. The tree needs log_4(N) hops of a handshake and K sends of N
-# records: well under a second at 8,192 ranks (5 MB of records, 7 hops) on a 10 Gb/s network; 5 s leaves room
-# for loaded hosts and costs a rank whose parent died no more than 5 s (its parent's own deadline is the same).
-RECORDS_TREE_WAIT_S = 5.0
-# a parent's bound on reaching a child (connection and handshake): past it, the child's children are pushed to,
-# with time left before their own RECORDS_TREE_WAIT_S ends (a dead host's SYN may go unanswered for minutes)
-PUSH_CONNECT_S = 2.0
+# A hop's budget: a rank waits for the records from the tree this long per hop above it, once every rank has
+# joined (it learns that from the store), before it reads them from the store instead; a parent's push has this
+# long. A hop is a handshake and K sends of N records: well under a second at 8,192 ranks (5 MB of records, 7
+# hops) on a 10 Gb/s network; 5 s leaves room for loaded hosts. Per hop, not per tree: 256 ranks on this 2-core
+# machine (2026-12-06) had the records 3 hops down within 5 s, and all 171 ranks 4 hops down read the store
+# (5.6 requests a rank). A dead parent costs its children nothing (their grandparent pushes to them after
+# PUSH_CONNECT_S); a parent that dies after taking the records costs them at most their wait.
+RECORDS_TREE_HOP_S = 5.0
+# A parent's bound on connecting to a child: past it, the child's children are pushed to (a dead host's SYN may go
+# unanswered for minutes); the handshake then has the rest of the push's bound. A hop's budget: 256 ranks on this
+# 2-core machine (2026-12-06) had connects of 0.6-4.9 s (median 3.1) 4 hops down, and with 2 s for the connection
+# and the handshake every push there timed out and 171 ranks read the store; with 7 s, none.
+# A push has two hops' budgets: one for its children, one for their children if a child cannot be reached.
+PUSH_CONNECT_S = 5.0
 INBOX_BACKLOG = 64  # only ancestors dial an inbox (a parent, or a grandparent whose child was unreachable)
 
 
 def tree_children(rank: int, size: int, fanout: int = RECORDS_TREE_FANOUT) -> range:
     """The ranks below `rank` in the records tree."""
     return range(min(rank * fanout + 1, size), min(rank * fanout + fanout + 1, size))
+
+
+def records_wait(rank: int, fanout: int = RECORDS_TREE_FANOUT) -> float:
+    """How long `rank` waits for the records from the tree once every rank joined: a hop's budget per hop above it."""
+    hops = 0
+    while rank > 0:
+        rank = (rank - 1) // fanout
+        hops += 1
+    return RECORDS_TREE_HOP_S * hops
 
 
 def is_ancestor(rank: int, of: int, fanout: int = RECORDS_TREE_FANOUT) -> bool:
@@ -173,6 +189,7 @@ async def push_records(rank: int, size: int, job: str, secret: bytes, frame: byt
     delivered: list[int] = []
 
     async def deliver(child: int) -> None:
+        t0 = loop.time()
         where = inbox_of(child)
         try:
             if where is None:
@@ -184,13 +201,13 @@ async def push_records(rank: int, size: int, job: str, secret: bytes, frame: byt
                 async with asyncio.timeout(PUSH_CONNECT_S):
                     await loop.sock_connect(sock, (host, port))
                 tune_socket(sock)
-                await client_handshake(loop, sock, secret, PURPOSE, {"rank": rank, "job": job}, PUSH_CONNECT_S)
+                await client_handshake(loop, sock, secret, PURPOSE, {"rank": rank, "job": job}, timeout)
                 await send_all(loop, sock, [frame], child)
             finally:
                 sock.close()  # the child sent its last bytes in the handshake: the close sends the frame's end
         except (HetcclError, OSError, TimeoutError, ValueError, TypeError, IndexError) as exc:
-            log.debug("hetccl: rank %d cannot push the records to rank %d (%s); pushing to its children",
-                      rank, child, exc)
+            log.debug("hetccl: rank %d cannot push the records to rank %d (%r after %.1f s); pushing to its "
+                      "children", rank, child, exc, loop.time() - t0)
             await asyncio.gather(*(deliver(c) for c in tree_children(child, size)))
             return
         delivered.append(child)

@@ -16,11 +16,13 @@ from hetccl.netio import send_all
 from hetccl.recordtree import (
     PURPOSE,
     RECORDS_TREE_FANOUT,
+    RECORDS_TREE_HOP_S,
     RecordsInbox,
     frame_bound,
     is_ancestor,
     push_records,
     records_frame,
+    records_wait,
     tree_children,
 )
 from hetccl.wire import CONTROL_LEN
@@ -41,6 +43,9 @@ def test_every_rank_but_0_has_one_parent_above_it() -> None:
             assert not is_ancestor(c, p) and not is_ancestor(c, c)
     assert list(tree_children(1, 8)) == [5, 6, 7]
     assert frame_bound(8192) == 16 << 20 and frame_bound(2) < 64 << 10
+    # a rank waits a hop's budget per hop above it (4 hops at 85-340, with fan-out 4)
+    assert [records_wait(r) / RECORDS_TREE_HOP_S for r in (0, 1, 4, 5, 20, 21, 84, 85, 255, 340, 341)] == [
+        0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 5]
 
 
 @pytest.fixture
