@@ -14,7 +14,8 @@ Each variant is one `torchrun --standalone --nproc-per-node 2` job (environment:
   verbs where an RDMA device is active);
 - "hetccl link" (hetccl): islands nvidia-0 / nvidia-1 on one host: hetccl's zero-copy link between islands.
 - "hetccl hosts held", "hetccl link held": the same with `HETCCL_TORCH_STREAM_ORDER=0`; "hetccl hosts bf16",
-  "hetccl hosts fp8": hosts with `HETCCL_CROSS_COMPRESS` (not run unless named in --variants).
+  "hetccl hosts fp8": hosts with `HETCCL_CROSS_COMPRESS`, and "hetccl hosts bf16 ef", "hetccl hosts fp8 ef" with
+  DDP's error feedback hook too (none of them run unless named in --variants).
 
 With `--device cpu` (a smoke test of the same code, CPU tensors) the anchor is `gloo` (loopback TCP), the islands are
 cpu-0 / cpu-1 ("hetccl link" then has no GPU link: the islands meet over shared memory), the model is smaller and the
@@ -122,6 +123,10 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
             **{f"hetccl hosts {w}": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
                                                 "HETCCL_CROSS_COMPRESS": w},
                                      f"hetccl hosts, HETCCL_CROSS_COMPRESS={w}: the bytes between the hosts in {w}")
+               for w in ("bf16", "fp8")},
+            **{f"hetccl hosts {w} ef": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                                   "HETCCL_CROSS_COMPRESS": w, "BENCH_DDP_HOOK": "error_feedback"},
+                                        f"hetccl hosts {w}, DDP with hetccl.torch.hooks.error_feedback_hook")
                for w in ("bf16", "fp8")}}
 
 
@@ -262,6 +267,10 @@ class Worker:
 
         model, count = self.build()
         ddp = DistributedDataParallel(model, device_ids=[self.dev.index] if self.dev.type == "cuda" else None)
+        if os.environ.get("BENCH_DDP_HOOK") == "error_feedback":
+            from hetccl.torch import hooks
+
+            ddp.register_comm_hook(hooks.ErrorFeedback(), hooks.error_feedback_hook)
         res = self.train(ddp, autocast=True)
         res["params"] = count
         return res
@@ -742,7 +751,8 @@ def main() -> None:
         return
 
     table = variants(a.device, a.nproc)
-    chosen = [x.strip() for x in a.variants.split(",") if x.strip()] or list(table)
+    chosen = ([x.strip() for x in a.variants.split(",") if x.strip()]
+              or [v for v in table if not table[v][1].get("HETCCL_CROSS_COMPRESS")])  # compressed: when named
     bad = [x for x in chosen if x not in table]
     if bad:
         p.error(f"--variants: unknown {bad}; choose from {list(table)}")

@@ -47,7 +47,7 @@ comm.close()
 """
 
 
-def run_job(n: int, per_host: int, repo: str | None) -> dict:
+def run_job(n: int, per_host: int, repo: str | None, logs: str = "") -> dict:
     root = repo or str(HERE.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
@@ -64,6 +64,8 @@ def run_job(n: int, per_host: int, repo: str | None) -> dict:
     row = None
     for r, p in enumerate(procs):
         out, err = p.communicate(timeout=900)
+        if logs:  # every rank's stderr (HETCCL_DEBUG=INFO says where its records came from)
+            Path(logs, f"{n}-rank{r}.err").write_text(err)
         if p.returncode != 0:
             raise SystemExit(f"rank {r} of {n} ({root}) exited {p.returncode}:\n{err[-3000:]}")
         for line in out.splitlines():
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--per-host", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
+    ap.add_argument("--logs", default="", help="a folder for every rank's stderr")
     ap.add_argument("--project", type=int, default=8192, help="the size the model projects to (0: no model)")
     a = ap.parse_args()
     variants = [("this", None)] + ([("before", a.repo)] if a.repo else [])
@@ -94,7 +97,7 @@ def main() -> None:
         got: dict[str, list[dict]] = {v: [] for v, _ in variants}
         for _ in range(a.reps):
             for v, repo in variants:  # interleaved
-                got[v].append(run_job(n, a.per_host, repo))
+                got[v].append(run_job(n, a.per_host, repo, a.logs))
         for v, _ in variants:
             rows = got[v]
             med = {k: statistics.median(r[k] for r in rows) for k in ("init", "first", "fds", "rss")}

@@ -1,7 +1,7 @@
 """all_reduce, all_gather and reduce_scatter between CPU islands (async API), side by side in one run.
 
     python benchmarks/islands_cpu.py [--ranks 2] [--sizes 16M,64M] [--paths shm,hosts] [--repo OTHER_CHECKOUT]
-                                     [--compress none,bf16,fp8] [--link-gbit 10]
+                                     [--compress none,bf16,fp8] [--link-gbit 10] [--device cuda]
 
 Every rank is its own island (HETCCL_ISLAND=cpu-<rank>); "shm" keeps them on one host (shared memory between
 them), "hosts" makes each rank its own host (HETCCL_HOST=h0,h1,...: TCP between them). Per op and size: one
@@ -12,7 +12,9 @@ hetccl from another checkout (its native library built), for a before/after in o
 interleaved size by size. --compress runs each HETCCL_CROSS_COMPRESS value as a variant (interleaved too), with
 its time against the first one's. The "veth" path (root, 2 ranks) puts the two ranks in two network namespaces
 joined by a veth pair shaped to --link-gbit (tc tbf on both ends): two hosts on an Ethernet link of that rate,
-where loopback TCP costs what a memory copy costs.
+where loopback TCP costs what a memory copy costs. `--device cuda` makes every rank a GPU island (nvidia-<rank>,
+all on cuda:0, CUDA tensors through the same async API, a synchronize before each call's end): on one GPU with the
+veth path, GPU islands on two hosts joined by Ethernet of that rate, with host staging between them.
 """
 
 from __future__ import annotations
@@ -35,10 +37,24 @@ from rankproc import free_port  # noqa: E402
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-async def rank_main(sizes: list[int], iters: int) -> None:
+async def rank_main(sizes: list[int], iters: int, device: str = "cpu") -> None:
     import hetccl
     import numpy as np
 
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+
+        def full(count: int, value: float) -> object:
+            return torch.full((count,), value, dtype=torch.float32, device="cuda")
+        settle = torch.cuda.synchronize
+    else:
+        def full(count: int, value: float) -> object:
+            return np.full(count, value, np.float32)
+
+        def settle() -> None:
+            pass
     comm = await hetccl.init()
     n, r = comm.size, comm.rank
     rows = []
@@ -47,15 +63,16 @@ async def rank_main(sizes: list[int], iters: int) -> None:
         for op in OPS:
             count = size // 4
             if op == "all_reduce":
-                buf = np.full(count, r + 1, np.float32)
+                buf = full(count, r + 1)
                 call, want = functools.partial(comm.all_reduce, buf), n * (n + 1) / 2
             elif op == "all_gather":
-                inp, buf = np.full(count // n, r + 1, np.float32), np.zeros(count // n * n, np.float32)
+                inp, buf = full(count // n, r + 1), full(count // n * n, 0)
                 call, want = functools.partial(comm.all_gather, buf, inp), None
             else:
-                inp, buf = np.full(count // n * n, r + 1, np.float32), np.zeros(count // n, np.float32)
+                inp, buf = full(count // n * n, r + 1), full(count // n, 0)
                 call, want = functools.partial(comm.reduce_scatter, buf, inp), n * (n + 1) / 2
             await call()
+            settle()
             if want is not None:
                 assert float(buf[0]) == want and float(buf[-1]) == want, (op, buf[0], want)
             else:
@@ -63,11 +80,13 @@ async def rank_main(sizes: list[int], iters: int) -> None:
                 assert all(float(buf[q * k]) == q + 1 for q in range(n)), op
             for _ in range(2):
                 await call()
+            settle()
             times = []
             for _ in range(iters):
                 await comm.barrier()
                 t0 = time.perf_counter()
                 await call()
+                settle()
                 t[0] = time.perf_counter() - t0
                 await comm.all_reduce(t, op="max")
                 times.append(float(t[0]))
@@ -79,7 +98,7 @@ async def rank_main(sizes: list[int], iters: int) -> None:
 
 
 def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, compress: str | None = None,
-            link_gbit: float = 10.0) -> list[dict]:
+            link_gbit: float = 10.0, device: str = "cpu") -> list[dict]:
     port = free_port()
     env = dict(os.environ)
     if compress is not None:
@@ -89,13 +108,14 @@ def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, c
     procs = []
     hosts = _shaped_link(link_gbit) if path == "veth" else None
     addr = f"127.0.0.1:{port}" if hosts is None else f"{hosts.addr[0]}:{hosts.free_port(0)}"
+    kind = "nvidia" if device == "cuda" else "cpu"
     for r in range(n):
         e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=addr,
-                 HETCCL_ISLAND=f"cpu-{r}", HETCCL_LOCAL_RANK=str(r), HETCCL_SECRET="islands-bench-secret")
+                 HETCCL_ISLAND=f"{kind}-{r}", HETCCL_LOCAL_RANK=str(r), HETCCL_SECRET="islands-bench-secret")
         if path == "hosts":
             e["HETCCL_HOST"] = ",".join(f"h{q}" for q in range(n))
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import asyncio, islands_cpu; "
-                f"asyncio.run(islands_cpu.rank_main({sizes!r}, {iters}))")
+                f"asyncio.run(islands_cpu.rank_main({sizes!r}, {iters}, {device!r}))")
         cmd = [sys.executable, "-c", code]
         if hosts is not None:
             cmd = ["ip", "netns", "exec", hosts.ns[r % 2], *cmd]
@@ -141,6 +161,7 @@ def main() -> None:
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each job")
     ap.add_argument("--link-gbit", type=float, default=10.0, help="the veth path's rate, Gbit/s each way")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the islands' memory")
     ap.add_argument("--compress", default=None, help="HETCCL_CROSS_COMPRESS values to compare, e.g. none,bf16,fp8")
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -149,7 +170,8 @@ def main() -> None:
         variants = [(c, None, c) for c in args.compress.split(",")]
     if args.repo:
         variants.append(("before", args.repo, None))
-    print(f"# CPU islands, {args.ranks} ranks, each its own island; {time.strftime('%Y-%m-%d')}, "
+    what = "GPU islands on cuda:0" if args.device == "cuda" else "CPU islands"
+    print(f"# {what}, {args.ranks} ranks, each its own island; {time.strftime('%Y-%m-%d')}, "
           f"{os.cpu_count()} CPUs; {' '.join(sys.argv)}")
     ratio = f" | time against {variants[0][0]}" if len(variants) > 1 else ""
     print("| path | op | size | " + " | ".join(f"{v} ms / busbw GB/s" for v, _, _ in variants) + ratio + " |")
@@ -158,7 +180,8 @@ def main() -> None:
         got: dict[str, list[list[dict]]] = {v: [] for v, _, _ in variants}
         for _ in range(args.reps):
             for v, repo, compress in variants:  # interleaved
-                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo, compress, args.link_gbit))
+                got[v].append(run_job(args.ranks, path, sizes, args.iters, repo, compress, args.link_gbit,
+                                          args.device))
         first = variants[0][0]
         for i in range(len(got[first][0])):
             cells, ms_of = [], {}
