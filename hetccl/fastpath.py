@@ -18,7 +18,9 @@ slots, into its buffer and its next slot, and then copies the peers' reduced par
 then crosses between cores once each way and is reduced once, by one rank, so every rank gets the same bits.
 At 64 MiB on 16 cores (benchmarks/results/shm-rs-pieces-2026-12-02.md) that is 1.15x and 1.2x the earlier
 pieces (each rank reduced the whole piece) at np 2 and 3, and 1.8x the ring over the transports (which pays
-Python per chunk) at np 4 and 8.
+Python per chunk) at np 4 and 8. A larger reduce_scatter and all_gather of such a group run here the same way,
+one fast operation per piece (hccl_fast_reduce_scatter_pieces, hccl_fast_all_gather_pieces): a reduce_scatter's
+slot holds the piece of each peer's block, which its owner reduces; an all_gather's, the piece of its input.
 
 Where the kernel lets every rank copy to and from every other's process (cross-memory attach:
 process_vm_readv/writev, the single copy of Open MPI's vader; tried towards each peer at set-up and agreed,
@@ -27,7 +29,9 @@ its buffer's address as one fast operation, reduces its part straight from the p
 time, writes the result into theirs (hccl_fast_all_reduce_cma), and a second fast operation says that every
 rank is done with the others' buffers. No slot is written, and there are two synchronisations instead of two per
 piece: at np 2, 64 MiB took 11.9-12.9 ms against the pieces' 15.5-17.2 on 2 cores, and 4 MiB 0.45 against
-0.95 ms (benchmarks/results/shm-single-copy-2026-12-02.md). Since the peers write into this rank's memory, a rank that
+0.95 ms (benchmarks/results/shm-single-copy-2026-12-02.md). reduce_scatter and all_gather have a single copy too,
+read only: each rank reads its block of the peers' inputs (reduced through a chunk) or their whole inputs
+(_gather_single_copy); nothing is written into another process. Since the peers write into this rank's memory, a rank that
 leaves before the second operation (an error, the deadline) raises its abandoned word, which every peer reads
 before each chunk, and waits until none is inside a chunk; the peers stop copying and raise what made it leave
 (a lost peer, a mismatch), or the deadline's CollectiveTimeout: the cause, as every rank does.
@@ -60,6 +64,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -130,8 +135,8 @@ def takes(group: Any, fp: Fingerprint) -> bool:
     fast = getattr(group, "_fast", None)
     if fast is None or fp.op not in _FAST_OPS:
         return False
-    if fp.op == CollOp.ALL_REDUCE and fast.pieces:
-        return True  # above the limit: in pieces (FastPath.all_reduce_pieces)
+    if fp.op in (CollOp.ALL_REDUCE, CollOp.ALL_GATHER, CollOp.REDUCE_SCATTER) and fast.pieces:
+        return True  # above the limit: in pieces (FastPath.all_reduce_pieces, ...)
     isz = DType(fp.dtype).itemsize if 0 <= fp.dtype <= 7 else 1
     part = fp.count * isz * (group.size if fp.op == CollOp.REDUCE_SCATTER else 1)
     return part <= fast.limit
@@ -139,6 +144,12 @@ def takes(group: Any, fp: Fingerprint) -> bool:
 
 def _words(fp: Fingerprint) -> tuple[int, int, int, int]:
     return (fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16), fp.count, fp.root & 0xFFFFFFFFFFFFFFFF)
+
+
+def _two_at_least(count: int, piece: int) -> int:
+    """Elements per piece, at most `piece`, in two pieces at least (count >= 2): a collective in pieces takes as
+    many fast operation numbers as pieces, and its single copy takes two."""
+    return max(1, min(piece, -(-count // 2)))
 
 
 def _fingerprint(comm: int, w: Any) -> Fingerprint:
@@ -366,27 +377,80 @@ class FastPath:
 
     async def all_reduce_pieces(self, fp: Fingerprint, data: np.ndarray, count: int, dtype: DType,
                                 op: ReduceOp) -> None:
-        """An all_reduce above the limit, in place: two fast operations per piece of piece_bytes, in C, numbered
-        on from self.k (every rank cuts the same pieces and parts from the same count). Runs under the scheduler
-        (deadline, failures), after the fast operations before it."""
-        isz = dtype.itemsize
-        piece = max(1, self.piece_bytes // isz)
+        """An all_reduce above the limit, in place: two fast operations per piece of piece_bytes, in C (every
+        rank cuts the same pieces and parts from the same count), or the single copy where every rank agreed to
+        it at set-up."""
+        piece = max(1, self.piece_bytes // dtype.itemsize)
+        buf = _from_buffer(_CHARS, data, True)
+
+        def step(k0: int, state: Any) -> int:
+            return lib.hccl_fast_all_reduce_pieces(self.segs_c, self.n, self.me, k0, fp.seq, count, buf, dtype, op,
+                                                   piece, PIECES_PER_CALL, self.spin_ns, self.yield_ns, self._mask,
+                                                   state)
+
+        def single_copy(k0: int) -> Any:  # uses k0 and k0 + 1 of the numbers taken
+            return self._all_reduce_single_copy(fp, buf, count, dtype, op, k0) if self.single_copy else None
+
+        await self._in_pieces(fp, 2 * -(-count // piece), step, single_copy)  # a reduce-scatter, an all-gather
+
+    async def reduce_scatter_pieces(self, fp: Fingerprint, inp: np.ndarray, out: np.ndarray, count: int,
+                                    dtype: DType, op: ReduceOp) -> None:
+        """A reduce_scatter above the limit (count: each rank's block): one fast operation per piece of every
+        block, a slot holding the piece of each of the n blocks; or the single copy (_gather_single_copy)."""
+        piece = _two_at_least(count, self.piece_bytes // (dtype.itemsize * self.n))
+        src, dst = _from_buffer(_CHARS, inp, False), _from_buffer(_CHARS, out, True)
+
+        def step(k0: int, state: Any) -> int:
+            return lib.hccl_fast_reduce_scatter_pieces(self.segs_c, self.n, self.me, k0, fp.seq, count, src, dst,
+                                                       dtype, op, piece, PIECES_PER_CALL, self.spin_ns,
+                                                       self.yield_ns, self._mask, state)
+
+        def single_copy(k0: int) -> Any:
+            return self._gather_single_copy(fp, k0, src, dst, count, dtype, op, True) if self.single_copy else None
+
+        await self._in_pieces(fp, -(-count // piece), step, single_copy)
+
+    async def all_gather_pieces(self, fp: Fingerprint, inp: np.ndarray, out: np.ndarray, count: int,
+                                dtype: DType) -> None:
+        """An all_gather above the limit (count: each rank's input; its own block of out is the caller's): one
+        fast operation per piece of piece_bytes of every rank's input; or the single copy (_gather_single_copy)."""
+        piece = _two_at_least(count, self.piece_bytes // dtype.itemsize)
+        src, dst = _from_buffer(_CHARS, inp, False), _from_buffer(_CHARS, out, True)
+
+        def step(k0: int, state: Any) -> int:
+            return lib.hccl_fast_all_gather_pieces(self.segs_c, self.n, self.me, k0, fp.seq, count, src, dst, dtype,
+                                                   piece, PIECES_PER_CALL, self.spin_ns, self.yield_ns, self._mask,
+                                                   state)
+
+        def single_copy(k0: int) -> Any:
+            return self._gather_single_copy(fp, k0, src, dst, count, dtype, ReduceOp.SUM, False) \
+                if self.single_copy else None
+
+        await self._in_pieces(fp, -(-count // piece), step, single_copy)
+
+    async def _in_pieces(self, fp: Fingerprint, ops: int, step: Callable[[int, Any], int],
+                         instead: Callable[[int], Any] | None = None) -> None:
+        """Fast operations self.k .. self.k + ops - 1, run by step(k0, state) (an hccl_fast_*_pieces call, a few
+        pieces at a time, the event loop running between calls); `instead(k0)`, once set up, may give a coroutine
+        that runs them otherwise, using the first two. Under the scheduler (deadline, failures), after the fast
+        operations before.
+        The numbers taken are even: a rank may post operation k + 2 into the slot of k only once every peer has
+        read it, which its wait for k + 1 tells; so a run that leaves numbers unused (the single copy) must leave
+        the next operation the parity of its first, and an odd run of pieces ends with an empty operation."""
         k0 = self.k
-        self.k = k0 + 2 * -(-count // piece)  # a reduce-scatter and an all-gather step per piece
+        self.k = k0 + ops + (ops & 1)
         prev = self.tail
         mine = self.tail = asyncio.get_running_loop().create_future()
         try:
             await self._start_after(prev)
-            buf = _from_buffer(_CHARS, data, True)
-            if self.single_copy:  # agreed by every rank at set-up: uses k0 and k0 + 1 of the numbers taken
-                return await self._all_reduce_single_copy(fp, buf, count, dtype, op, k0)
+            other = instead(k0) if instead is not None else None
+            if other is not None:
+                return await other
             state = ffi.new("uint64_t[1]")
             while True:
-                r = lib.hccl_fast_all_reduce_pieces(self.segs_c, self.n, self.me, k0, fp.seq, count, buf, dtype, op,
-                                                    piece, PIECES_PER_CALL, self.spin_ns, self.yield_ns,
-                                                    self._mask, state)
+                r = step(k0, state)
                 if r == -1:
-                    return
+                    break
                 k = k0 + (state[0] >> 1)
                 if r == -5:
                     self._check_peers()
@@ -398,7 +462,10 @@ class FastPath:
                 elif r >= 0:
                     raise self._mismatch(fp, k, r)
                 else:
-                    raise HetcclError(f"native reduce refused dtype {dtype!r} op {op!r}")
+                    raise HetcclError(f"native {fp.describe()} refused its dtype or reduce op")
+            if ops & 1:
+                self._post(fp, k0 + ops, None, 0, DONE)
+                await self._wait(fp, k0 + ops)
         finally:
             if not mine.done():
                 mine.set_result(None)
@@ -426,20 +493,10 @@ class FastPath:
                     self._check_peers()
                     await asyncio.sleep(0)
                     continue
-                self._check_peers()  # a lost peer (the kernel's ESRCH), named as such
-                q = self.group.members[bad[0]]
                 if r == -6:
-                    await self._wait_for_cause(fp, q)  # never returns: it raises the cause
-                if r == -7 and err[0] == errno.ESRCH:
-                    lost = PeerLostError(f"rank {self.fabric.rank}: rank {q}'s process ended during {fp.describe()} "
-                                         "(its buffer went with it)", q)
-                    self.fabric.report_lost(q, lost)
-                    raise lost
-                if r == -7:
-                    raise HetcclError(f"rank {self.fabric.rank}: {fp.describe()}: the kernel refused to copy to or "
-                                      f"from rank {q} ({os.strerror(err[0])}); set HETCCL_SHM_SINGLE_COPY=0 to "
-                                      "reduce through the shared segment instead")
-                raise HetcclError(f"native reduce refused dtype {dtype!r} op {op!r}")
+                    self._check_peers()
+                    await self._wait_for_cause(fp, self.group.members[bad[0]])  # never returns: it raises the cause
+                raise self._copy_failed(fp, r, bad[0], err[0])
             self._post(fp, k + 1, None, 0, DONE)
             await self._wait(fp, k + 1)
         except BaseException:
@@ -451,6 +508,47 @@ class FastPath:
                                 "it may yet write into this rank's buffer", self.fabric.rank, self.group.members[q],
                                 fp.describe(), ABANDON_WAIT_NS / 1e9)
             raise
+
+    async def _gather_single_copy(self, fp: Fingerprint, k: int, src: Any, dst: Any, count: int, dtype: DType,
+                                  op: ReduceOp, reduce: bool) -> None:
+        """Fast operation k: every rank posts its input's address; then each reads what it needs straight from
+        the peers' inputs (hccl_fast_gather_cma: its block of each, reduced, or each whole input); operation
+        k + 1: every rank is done reading, so no input is read after the return. Nothing is written into
+        another process: a rank that leaves early only leaves the others to fail at k + 1."""
+        n, me = self.n, self.me
+        self._post(fp, k, np.array([int(ffi.cast("uintptr_t", src))], np.uint64), 8, START)
+        await self._wait(fp, k)
+        addrs = ffi.new("uint64_t[]", n)
+        for q in range(n):
+            addrs[q] = ffi.cast("uint64_t *", lib.hccl_fast_slot(self.segs_c[q], k) + DATA_OFF)[0]
+        state, bad, err = ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
+        while True:
+            r = lib.hccl_fast_gather_cma(n, me, self._pids, addrs, count, src, dst, dtype, op, int(reduce),
+                                         self._chunk, COPY_CHUNK, COPY_CHUNKS_PER_CALL, state, bad, err)
+            if r == -1:
+                break
+            if r != -5:
+                raise self._copy_failed(fp, r, bad[0], err[0])
+            self._check_peers()
+            await asyncio.sleep(0)
+        self._post(fp, k + 1, None, 0, DONE)
+        await self._wait(fp, k + 1)
+
+    def _copy_failed(self, fp: Fingerprint, r: int, bad: int, err: int) -> Exception:
+        """The error of a single copy's native call that returned r (-7: copying with rank `bad` (group rank)
+        failed with errno err): a lost peer (the kernel's ESRCH) is named as such."""
+        self._check_peers()
+        q = self.group.members[bad]
+        if r == -7 and err == errno.ESRCH:
+            lost = PeerLostError(f"rank {self.fabric.rank}: rank {q}'s process ended during {fp.describe()} "
+                                 "(its buffer went with it)", q)
+            self.fabric.report_lost(q, lost)
+            return lost
+        if r == -7:
+            return HetcclError(f"rank {self.fabric.rank}: {fp.describe()}: the kernel refused to copy to or from "
+                               f"rank {q} ({os.strerror(err)}); set HETCCL_SHM_SINGLE_COPY=0 to go through the "
+                               "shared segment instead")
+        return HetcclError(f"native {fp.describe()} refused its dtype or reduce op")
 
     async def _wait_for_cause(self, fp: Fingerprint, q: int) -> None:
         """Rank q left the single copy (nothing more is written into its buffer): what made it leave ends this

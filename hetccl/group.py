@@ -335,11 +335,16 @@ class Group:
             if done is not True:
                 await done
             return
-        fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count)
+        fast = self._fast
+        pieces = fast is not None and fast.pieces
+        fp = self.next_fingerprint(CollOp.ALL_GATHER, o.dtype, i.count, fast=pieces)
         nb = i.nbytes
         if not np.shares_memory(o.data[self.rank * nb:(self.rank + 1) * nb], i.data) or \
                 o.data[self.rank * nb:].ctypes.data != i.data.ctypes.data:
             o.data[self.rank * nb:(self.rank + 1) * nb] = i.data
+        if pieces:
+            await run_collective(self, fp, lambda: fast.all_gather_pieces(fp, i.data, o.data, i.count, o.dtype))
+            return
         ctx = CollCtx(self, fp, o.dtype, None)
         algo = ring.all_gather if self._algo("all_gather", o.nbytes) == algorithms.RING else latency.all_gather
         await run_collective(self, fp, lambda: algo(ctx, o))
@@ -351,6 +356,12 @@ class Group:
         if done is not None:
             if done is not True:
                 await done
+            return
+        fast = self._fast
+        if fast is not None and fast.pieces:
+            fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op, True)
+            await run_collective(self, fp, lambda: fast.reduce_scatter_pieces(fp, i.data, o.data, o.count, o.dtype,
+                                                                              op))
             return
         fp = self.next_fingerprint(CollOp.REDUCE_SCATTER, o.dtype, o.count, -1, op)
         ctx = CollCtx(self, fp, o.dtype, op)

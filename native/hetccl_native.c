@@ -1267,6 +1267,85 @@ int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_
     return -1;
 }
 
+/* reduce_scatter and all_gather above the fast path's limit (hetccl_native.h), one fast operation per piece:
+ * every rank's slot of operation k is read by the peers after they waited for k, and written again at k + 2,
+ * after this rank waited for k + 1, which every peer posts only once it has read k's slots */
+int hccl_fast_reduce_scatter_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count,
+                                    const void *in, void *out, int dtype, int op, uint64_t piece,
+                                    uint64_t max_pieces, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask,
+                                    uint64_t *state)
+{
+    size_t isz = hccl_dtype_size(dtype);
+    if (!isz || op < 0 || op > 4 || piece == 0 || n < 2)
+        return -4;
+    uint64_t w1 = 3 /* CollOp.REDUCE_SCATTER */ | ((uint64_t)dtype << 8) | ((uint64_t)op << 16);
+    uint64_t steps = (count + piece - 1) / piece, ran = 0;
+    int rop = op == 4 ? 0 : op;
+    for (uint64_t j = *state >> 1; j < steps; j++) {
+        uint64_t k = k0 + j, first = j * piece, m = count - first < piece ? count - first : piece;
+        if (!(*state & 1)) {
+            if (ran++ == max_pieces)
+                return -5;
+            char *slot = hccl_fast_slot(segs[me], k) + HCCL_FAST_DATA_OFF;
+            for (int q = 0; q < n; q++)
+                if (q != me)
+                    memcpy(slot + q * piece * isz, (const char *)in + (q * count + first) * isz, m * isz);
+            *state = 2 * j + 1;
+            *mask = hccl_fast_post(segs, n, me, k, seq, w1, count, ~(uint64_t)0, NULL, 0);
+            if (*mask)
+                return -3;
+        }
+        int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
+        if (r != -1)
+            return r;
+        char *dst = (char *)out + first * isz;
+        size_t off = HCCL_FAST_DATA_OFF + (size_t)me * piece * isz;
+        int q0 = me == 0 ? 1 : 0;
+        if (hccl_reduce3(dst, (const char *)in + (me * count + first) * isz, hccl_fast_slot(segs[q0], k) + off, m,
+                         dtype, rop))
+            return -4;
+        for (int q = q0 + 1; q < n; q++)
+            if (q != me && hccl_reduce(dst, hccl_fast_slot(segs[q], k) + off, m, dtype, rop))
+                return -4;
+        if (op == 4 && hccl_div(dst, m, dtype, n))
+            return -4;
+        *state = 2 * (j + 1);
+    }
+    return -1;
+}
+
+int hccl_fast_all_gather_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count,
+                                const void *in, void *out, int dtype, uint64_t piece, uint64_t max_pieces,
+                                uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask, uint64_t *state)
+{
+    size_t isz = hccl_dtype_size(dtype);
+    if (!isz || piece == 0 || n < 2)
+        return -4;
+    uint64_t w1 = 2 /* CollOp.ALL_GATHER */ | ((uint64_t)dtype << 8);
+    uint64_t steps = (count + piece - 1) / piece, ran = 0;
+    for (uint64_t j = *state >> 1; j < steps; j++) {
+        uint64_t k = k0 + j, first = j * piece, m = count - first < piece ? count - first : piece;
+        if (!(*state & 1)) {
+            if (ran++ == max_pieces)
+                return -5;
+            *state = 2 * j + 1;
+            *mask = hccl_fast_post(segs, n, me, k, seq, w1, count, ~(uint64_t)0, (const char *)in + first * isz,
+                                   m * isz);
+            if (*mask)
+                return -3;
+        }
+        int r = hccl_fast_wait(segs, n, me, k, spin_ns, yield_ns);
+        if (r != -1)
+            return r;
+        for (int q = 0; q < n; q++)
+            if (q != me)
+                memcpy((char *)out + (q * count + first) * isz, hccl_fast_slot(segs[q], k) + HCCL_FAST_DATA_OFF,
+                       m * isz);
+        *state = 2 * (j + 1);
+    }
+    return -1;
+}
+
 /* ---- the single-copy all_reduce: cross-memory attach (process_vm_readv/writev) ------------------- */
 
 #if HCCL_CMA
@@ -1343,6 +1422,57 @@ int hccl_fast_all_reduce_cma(char **segs, int n, int me, uint64_t k, const int64
 #else
     (void)segs, (void)n, (void)me, (void)k, (void)pids, (void)addrs, (void)count, (void)buf, (void)dtype;
     (void)op, (void)tmp, (void)chunk, (void)max_chunks, (void)state, (void)bad, (void)err;
+    return -8;
+#endif
+}
+
+int hccl_fast_gather_cma(int n, int me, const int64_t *pids, const uint64_t *addrs, uint64_t count, const void *in,
+                         void *out, int dtype, int op, int reduce, void *tmp, uint64_t chunk, uint64_t max_chunks,
+                         uint64_t *state, int *bad, int *err)
+{
+#if HCCL_CMA
+    size_t isz = hccl_dtype_size(dtype);
+    if (!isz || op < 0 || op > 4 || chunk < isz || n < 2)
+        return -4;
+    uint64_t step = chunk / isz, ran = 0, total = reduce ? count : (uint64_t)(n - 1) * count;
+    int rop = op == 4 ? 0 : op;
+    for (uint64_t p = *state / isz; p < total;) {
+        if (ran++ == max_chunks)
+            return -5;
+        if (!reduce) { /* p runs over the peers' inputs, in rank order, this rank's left out */
+            uint64_t at = p / count, i = p % count, len = count - i < step ? count - i : step;
+            int q = (int)at < me ? (int)at : (int)at + 1;
+            if ((*err = hccl_cma_copy(pids[q], (char *)out + (q * count + i) * isz, addrs[q] + i * isz, len * isz,
+                                      0))) {
+                *bad = q;
+                return -7;
+            }
+            p += len;
+        } else {
+            uint64_t len = count - p < step ? count - p : step;
+            char *dst = (char *)out + p * isz;
+            const char *own = (const char *)in + (me * count + p) * isz;
+            for (int q = 0, first = 1; q < n; q++) { /* the first peer with own in one pass: dst = own op it */
+                if (q == me)
+                    continue;
+                if ((*err = hccl_cma_copy(pids[q], tmp, addrs[q] + (me * count + p) * isz, len * isz, 0))) {
+                    *bad = q;
+                    return -7;
+                }
+                if (first ? hccl_reduce3(dst, own, tmp, len, dtype, rop) : hccl_reduce(dst, tmp, len, dtype, rop))
+                    return -4;
+                first = 0;
+            }
+            if (op == 4 && hccl_div(dst, len, dtype, n))
+                return -4;
+            p += len;
+        }
+        *state = p * isz;
+    }
+    return -1;
+#else
+    (void)n, (void)me, (void)pids, (void)addrs, (void)count, (void)in, (void)out, (void)dtype, (void)op;
+    (void)reduce, (void)tmp, (void)chunk, (void)max_chunks, (void)state, (void)bad, (void)err;
     return -8;
 #endif
 }

@@ -142,6 +142,19 @@ int hccl_fast_all_reduce(char **segs, int n, int me, uint64_t k, uint64_t seq, u
 int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count, void *buf,
                                 int dtype, int op, uint64_t piece, uint64_t max_pieces, uint64_t spin_ns,
                                 uint64_t yield_ns, uint64_t *mask, uint64_t *state);
+/* A large reduce_scatter (count: each rank's block, of the input's n) and a large all_gather (count: each rank's
+ * input, of the output's n), one fast operation per piece of `piece` elements of every block, numbered from k0;
+ * returns and *state as hccl_fast_all_reduce_pieces. reduce_scatter: every rank copies the piece of each peer's
+ * block into its slot (block q at q * piece), then reduces its own block's piece from its input and the peers'
+ * slots, own first and then the peers in rank order, into out. all_gather: every rank posts its input's piece,
+ * then copies the peers' pieces into their blocks of out (its own block is the caller's to fill). */
+int hccl_fast_reduce_scatter_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count,
+                                    const void *in, void *out, int dtype, int op, uint64_t piece,
+                                    uint64_t max_pieces, uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask,
+                                    uint64_t *state);
+int hccl_fast_all_gather_pieces(char **segs, int n, int me, uint64_t k0, uint64_t seq, uint64_t count,
+                                const void *in, void *out, int dtype, uint64_t piece, uint64_t max_pieces,
+                                uint64_t spin_ns, uint64_t yield_ns, uint64_t *mask, uint64_t *state);
 /* The single-copy all_reduce (fastpath.py), for a large all_reduce in place where the kernel lets the ranks copy
  * between their processes (cross-memory attach: process_vm_readv/writev, the single copy of Open MPI's vader):
  * it runs between fast operations k (every rank posted its buffer's address) and k + 1 (every rank is done
@@ -157,6 +170,14 @@ int hccl_fast_all_reduce_pieces(char **segs, int n, int me, uint64_t k0, uint64_
 int hccl_fast_all_reduce_cma(char **segs, int n, int me, uint64_t k, const int64_t *pids, const uint64_t *addrs,
                              uint64_t count, void *buf, int dtype, int op, void *tmp, uint64_t chunk,
                              uint64_t max_chunks, uint64_t *state, int *bad, int *err);
+/* The single-copy reduce_scatter (reduce 1) and all_gather (reduce 0), read only from the peers' inputs (addrs[q]:
+ * rank q's input): reduce_scatter reduces this rank's block, own first and then the peers in rank order, through
+ * tmp (chunk bytes) into out; all_gather copies each peer's input into its block of out (its own is the caller's).
+ * At most max_chunks chunks per call, from *state (bytes done). -1: done; -5: call again; -7: copying from rank
+ * *bad failed with errno *err; -4: unknown dtype or op; -8: no cross-memory attach here. */
+int hccl_fast_gather_cma(int n, int me, const int64_t *pids, const uint64_t *addrs, uint64_t count, const void *in,
+                         void *out, int dtype, int op, int reduce, void *tmp, uint64_t chunk, uint64_t max_chunks,
+                         uint64_t *state, int *bad, int *err);
 /* Whether this process may copy to and from process pid: reads 8 bytes at addr there, and only when they equal
  * expect (a cookie: the process it means, not another with that pid) writes them back. 1: both worked. */
 int hccl_cma_probe(int64_t pid, uint64_t addr, uint64_t expect);

@@ -11,6 +11,7 @@ import numpy as np
 from workers import DTYPES, OPS, check, expected_reduce, make, np_dtype
 
 import hetccl
+from hetccl import fastpath
 
 LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096 and HETCCL_SHM_PIECE_BYTES=4096
 
@@ -18,6 +19,16 @@ LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096 and HETCCL_SHM
 def _fast_ops(comm: hetccl.Communicator) -> int:
     assert comm._fast is not None, "this group should have a fast path"
     return comm._fast.k
+
+
+def _pieces(comm: hetccl.Communicator, nbytes: int, count: int, piece: int) -> int:
+    """Fast operations of a reduce_scatter or all_gather of an input of `nbytes` whose pieces cut `count` (a block,
+    an input) into at most `piece`: one up to the limit, else one per piece, an even number; none past
+    fastpath.PIECED_MAX_RANKS (the transports)."""
+    if nbytes <= comm._fast.limit:
+        return 1
+    pieces = -(-count // fastpath._two_at_least(count, piece))
+    return pieces + (pieces & 1) if comm._fast.pieces else 0  # numbers taken in pairs (FastPath._in_pieces)
 
 
 def _check_path(comm: hetccl.Communicator) -> None:
@@ -29,8 +40,8 @@ def _check_path(comm: hetccl.Communicator) -> None:
 
 async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
     """Every dtype and op of all_reduce and reduce_scatter, all_gather, broadcast from every root and barrier,
-    at the limit (fast) and just above it (the transports; all_reduce: the fast path in pieces):
-    same results either way."""
+    at the limit (fast) and just above it (all_reduce, reduce_scatter and all_gather: the fast path in pieces, or
+    the single copy; the others: the transports): same results either way."""
     n, r = comm.size, comm.rank
     for dtype in DTYPES:
         isz = np_dtype(dtype).itemsize
@@ -45,18 +56,23 @@ async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
                 # numbers and uses the first two); past fastpath.PIECED_MAX_RANKS, above the limit: the transports
                 steps = 1 if count <= limit else 2 * -(-count // piece) if comm._fast.pieces else 0
                 assert _fast_ops(comm) - before == steps, (dtype, op, count, before, _fast_ops(comm))
-            # reduce_scatter: the fast path takes whole inputs of at most LIMIT bytes
+            # reduce_scatter: one fast operation for a whole input of at most the limit, else one per piece of every
+            # block (a slot holds the piece of each), two at least (the single copy takes the first two)
             k = max(1, count // n)
             for op in ("sum", "max", "avg"):
+                before = _fast_ops(comm)
                 inp = np.concatenate([make(r, k, dtype, salt=10 + p) for p in range(n)])
                 out = np.zeros(k, np_dtype(dtype))
                 await comm.reduce_scatter(out, inp, op=op)
                 check(out, expected_reduce(n, k, dtype, op, salt=10 + r), f"reduce_scatter {dtype} {op} x{k}")
+                assert _fast_ops(comm) - before == _pieces(comm, inp.nbytes, k, piece // n), ("reduce_scatter", k)
+            before = _fast_ops(comm)
             mine = make(r, count, dtype, salt=5)
             out = np.zeros(n * count, np_dtype(dtype))
             await comm.all_gather(out, mine)
             for p in range(n):
                 check(out[p * count:(p + 1) * count], make(p, count, dtype, salt=5), f"all_gather {dtype} x{count}")
+            assert _fast_ops(comm) - before == _pieces(comm, mine.nbytes, count, piece), ("all_gather", dtype, count)
             for root in range(n):
                 b = make(r, count, dtype, salt=7) if r == root else np.zeros(count, np_dtype(dtype))
                 await comm.broadcast(b, root=root)
@@ -175,20 +191,24 @@ async def large_all_reduces(comm: hetccl.Communicator) -> None:
     os.write(1, f"rank {r} large ok (single copy: {comm._fast.single_copy})\n".encode())
 
 
-async def die_in_copy(comm: hetccl.Communicator, victim: int) -> None:
-    """The victim exits hard, from a timer thread, while every rank runs 32 MiB all_reduces (the single copy):
-    the others raise PeerLostError naming it."""
+async def die_in_copy(comm: hetccl.Communicator, victim: int, op: str = "all_reduce") -> None:
+    """The victim exits hard, from a timer thread, while every rank runs 32 MiB collectives `op` (all_reduce,
+    reduce_scatter or all_gather: the single copy): the others raise PeerLostError naming it."""
     import threading
 
-    buf = np.ones(8 << 20, np.float32)
-    await comm.all_reduce(buf)
+    n = comm.size
+    part = np.ones((8 << 20) // n, np.float32)
+    buf = np.ones(part.size * n, np.float32)
+    run = {"all_reduce": lambda: comm.all_reduce(buf), "reduce_scatter": lambda: comm.reduce_scatter(part, buf),
+           "all_gather": lambda: comm.all_gather(buf, part)}[op]
+    await run()
     _check_path(comm)
     if comm.rank == victim:  # the main thread is in C then, nearly always (the copy releases the GIL)
         threading.Timer(0.2, os._exit, (17,)).start()
 
     async def many() -> None:
         for _ in range(1000):
-            await comm.all_reduce(buf)
+            await run()
 
     await _expect_lost(comm, victim, many)
 

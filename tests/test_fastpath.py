@@ -71,12 +71,13 @@ def test_one_rank_without_the_single_copy_gives_every_rank_the_pieces() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,victim", [(2, 1), (3, 2)])
-def test_dead_peer_in_the_single_copy(n: int, victim: int) -> None:
-    """The victim exits hard from another thread while the ranks copy 32 MiB all_reduces between their buffers:
+@pytest.mark.parametrize("n,victim,op", [(2, 1, "all_reduce"), (3, 2, "all_reduce"), (2, 0, "reduce_scatter"),
+                                         (3, 1, "all_gather")])
+def test_dead_peer_in_the_single_copy(n: int, victim: int, op: str) -> None:
+    """The victim exits hard from another thread while the ranks copy 32 MiB collectives between their buffers:
     the others raise PeerLostError naming it (the kernel's ESRCH, or the lost connection), never a result."""
     env = {**FAST, **copy_env("1"), "HETCCL_SHM_FASTPATH_BYTES": "1M"}
-    procs = spawn_ranks(n, "fastpath_workers:die_in_copy", env=env, victim=victim)
+    procs = spawn_ranks(n, "fastpath_workers:die_in_copy", env=env, victim=victim, op=op)
     assert_victim_named(finish(procs, 90), victim)
 
 
