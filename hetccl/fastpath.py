@@ -29,12 +29,12 @@ its buffer's address as one fast operation, reduces its part straight from the p
 time, writes the result into theirs (hccl_fast_all_reduce_cma), and a second fast operation says that every
 rank is done with the others' buffers. No slot is written, and there are two synchronisations instead of two per
 piece: at np 2, 64 MiB took 11.9-12.9 ms against the pieces' 15.5-17.2 on 2 cores, and 4 MiB 0.45 against
-0.95 ms (benchmarks/results/shm-single-copy-2026-12-02.md). reduce_scatter and all_gather have a single copy too,
-read only: each rank reads its block of the peers' inputs (reduced through a chunk) or their whole inputs
-(_gather_single_copy); nothing is written into another process. Since the peers write into this rank's memory, a rank that
+0.95 ms (benchmarks/results/shm-single-copy-2026-12-02.md). Since the peers write into this rank's memory, a rank that
 leaves before the second operation (an error, the deadline) raises its abandoned word, which every peer reads
 before each chunk, and waits until none is inside a chunk; the peers stop copying and raise what made it leave
 (a lost peer, a mismatch), or the deadline's CollectiveTimeout: the cause, as every rank does.
+reduce_scatter and all_gather have a single copy too, read only: each rank reads its block of the peers' inputs
+(reduced through a chunk) or their whole inputs (_gather_single_copy); nothing is written into another process.
 
 Guarantees, as on the transports:
 - waits: after the short spin the waiter raises its waiting flag and sleeps in the event loop; a publisher
@@ -147,8 +147,8 @@ def _words(fp: Fingerprint) -> tuple[int, int, int, int]:
 
 
 def _two_at_least(count: int, piece: int) -> int:
-    """Elements per piece, at most `piece`, in two pieces at least (count >= 2): a collective in pieces takes as
-    many fast operation numbers as pieces, and its single copy takes two."""
+    """Elements per piece, at most `piece`, in two pieces at least (count >= 2): a collective in pieces takes a
+    fast operation number per piece (FastPath._in_pieces), and its single copy uses two of them."""
     return max(1, min(piece, -(-count // 2)))
 
 

@@ -11,11 +11,10 @@ size before anything is read, then a msgpack map {"records": [...]} decoded with
 
 Nothing here may hang or be less reliable than the store: a rank that has not received the records within
 RECORDS_TREE_HOP_S per hop above it (`records_wait`) of the last rank's arrival reads them from the store
-(bootstrap.py), and a parent that cannot
-reach a child pushes to that child's children instead (their new parent), so one lost rank costs the store one
-extra gather, not one per rank below it. Like NCCL's bootstrap, connections are made when needed and dropped
-after; unlike its ring (N steps of one record), the tree takes log_K(N) steps of all of them.
-"""
+(bootstrap.py), and a parent that cannot reach a child pushes to that child's children instead (their new parent),
+so one lost rank costs the store one extra gather, not one per rank below it. Like NCCL's bootstrap, connections
+are made when needed and dropped after; unlike its ring (N steps of one record), the tree takes log_K(N) steps of
+all of them."""
 
 from __future__ import annotations
 
@@ -42,19 +41,20 @@ RECORDS_TREE_FANOUT = 4
 # A frame of N records is refused above N times this (and above the store's own frame bound, which the gather of
 # the same records had to pass at rank 0)
 RECORD_MAX_BYTES = 16 << 10
-# A hop's budget: a rank waits for the records from the tree this long per hop above it, once every rank has
-# joined (it learns that from the store), before it reads them from the store instead; a parent's push has this
-# long. A hop is a handshake and K sends of N records: well under a second at 8,192 ranks (5 MB of records, 7
-# hops) on a 10 Gb/s network; 5 s leaves room for loaded hosts. Per hop, not per tree: 256 ranks on this 2-core
-# machine (2026-12-06) had the records 3 hops down within 5 s, and all 171 ranks 4 hops down read the store
-# (5.6 requests a rank). A dead parent costs its children nothing (their grandparent pushes to them after
-# PUSH_CONNECT_S); a parent that dies after taking the records costs them at most their wait.
+# A hop's budget: a rank waits for the records from the tree this long per hop above it, once every rank has joined
+# (it learns that from the store), before it reads them from the store instead; a parent's push has two (its
+# children's, and their children's where a child cannot be reached). A hop is a handshake and K sends of N records:
+# well under a second at 8,192 ranks (5 MB of records, 7 hops) on a 10 Gb/s network; 5 s leaves room for loaded
+# hosts. Per hop, not per tree: 256 ranks on this 2-core machine (2026-12-06) had the records 3 hops down within 5 s,
+# and all 171 ranks 4 hops down read the store (5.6 requests a rank). A dead parent costs its children nothing (their
+# grandparent pushes to them after PUSH_CONNECT_S); a parent that dies after taking the records costs them at most
+# their wait.
 RECORDS_TREE_HOP_S = 5.0
 # A parent's bound on connecting to a child: past it, the child's children are pushed to (a dead host's SYN may go
 # unanswered for minutes); the handshake then has the rest of the push's bound. A hop's budget: 256 ranks on this
 # 2-core machine (2026-12-06) had connects of 0.6-4.9 s (median 3.1) 4 hops down, and with 2 s for the connection
-# and the handshake every push there timed out and 171 ranks read the store; with 7 s, none.
-# A push has two hops' budgets: one for its children, one for their children if a child cannot be reached.
+# and the handshake every push there timed out and 171 ranks read the store; with 5 s, none in three 256-rank runs
+# of four (76 in the other).
 PUSH_CONNECT_S = 5.0
 INBOX_BACKLOG = 64  # only ancestors dial an inbox (a parent, or a grandparent whose child was unreachable)
 
