@@ -300,7 +300,17 @@ def case_async() -> None:
     assert w.is_completed()
     if torch.cuda.is_available() and ts[0].is_cuda:
         _wait_orders_streams(r, n)
+    # collectives still in flight when the group is destroyed end first, as ncclCommDestroy lets queued work
+    # finish: no rank's close runs ahead of them (on the GPU, an ordered one's host side had not started when
+    # the peers were told "closed after" the one before it, 2026-12-06)
+    tail = [torch.full((1 << 18,), float(r + i)) for i in range(4)]
+    for t in tail:
+        dist.all_reduce(t, async_op=True)
     dist.destroy_process_group()
+    if tail[0].is_cuda:
+        torch.cuda.synchronize()
+    for i, t in enumerate(tail):
+        _eq(t, torch.full((1 << 18,), float(sum(q + i for q in range(n)))), f"all_reduce {i} in flight at destroy")
 
 
 def _wait_orders_streams(r: int, n: int) -> None:

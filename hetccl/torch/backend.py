@@ -16,6 +16,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -1126,6 +1127,16 @@ class HetcclBackend(dist.ProcessGroup):
         return comm
 
     def shutdown(self) -> None:
+        """destroy_process_group: the collectives this group has handed to the loop end first (within the
+        timeout), as ncclCommDestroy lets queued work finish; then the communicator closes. Closed under them, an
+        ordered one whose host side had not started yet left its peers waiting for it (a CollectiveMismatchError
+        "closed after" the one before, H100, 2026-12-06), and a CPU one's completion met a closed group (a
+        SIGSEGV at 3 ranks)."""
+        comm = getattr(self, "_comm", None)
+        if comm is not None and self.broken is None:
+            deadline = time.monotonic() + self._acomm.settings.timeout
+            while self._submitted != self._finished and time.monotonic() < deadline:
+                time.sleep(0.0005)
         comm = self._detach()
         if comm is not None:
             try:
