@@ -1128,10 +1128,10 @@ class HetcclBackend(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """destroy_process_group: the collectives this group has handed to the loop end first (within the
-        timeout), as ncclCommDestroy lets queued work finish; then the communicator closes. Closed under them, an
-        ordered one whose host side had not started yet left its peers waiting for it (a CollectiveMismatchError
-        "closed after" the one before, H100, 2026-12-06), and a CPU one's completion met a closed group (a
-        SIGSEGV at 3 ranks)."""
+        timeout), as ncclCommDestroy lets queued work finish; then the communicator closes. Closed under them, a
+        CPU one's completion met a closed group (a SIGSEGV at 3 ranks, 2026-12-06), and an ordered one whose host
+        side had not started would leave its peers waiting for it (likely the "closed after all_reduce #167"
+        CollectiveMismatchError of the balancer's GPU memory test, H100, the same day)."""
         comm = getattr(self, "_comm", None)
         if comm is not None and self.broken is None:
             deadline = time.monotonic() + self._acomm.settings.timeout
