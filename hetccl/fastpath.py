@@ -146,12 +146,6 @@ def _words(fp: Fingerprint) -> tuple[int, int, int, int]:
     return (fp.seq, fp.op | (fp.dtype << 8) | (fp.redop << 16), fp.count, fp.root & 0xFFFFFFFFFFFFFFFF)
 
 
-def _two_at_least(count: int, piece: int) -> int:
-    """Elements per piece, at most `piece`, in two pieces at least (count >= 2): a collective in pieces takes a
-    fast operation number per piece (FastPath._in_pieces), and its single copy uses two of them."""
-    return max(1, min(piece, -(-count // 2)))
-
-
 def _fingerprint(comm: int, w: Any) -> Fingerprint:
     root = int(w[3])
     return Fingerprint(comm, int(w[0]), int(w[1]) & 0xFF, (int(w[1]) >> 8) & 0xFF, int(w[2]),
@@ -397,7 +391,7 @@ class FastPath:
                                     dtype: DType, op: ReduceOp) -> None:
         """A reduce_scatter above the limit (count: each rank's block): one fast operation per piece of every
         block, a slot holding the piece of each of the n blocks; or the single copy (_gather_single_copy)."""
-        piece = _two_at_least(count, self.piece_bytes // (dtype.itemsize * self.n))
+        piece = max(1, self.piece_bytes // (dtype.itemsize * self.n))
         src, dst = _from_buffer(_CHARS, inp, False), _from_buffer(_CHARS, out, True)
 
         def step(k0: int, state: Any) -> int:
@@ -414,7 +408,7 @@ class FastPath:
                                 dtype: DType) -> None:
         """An all_gather above the limit (count: each rank's input; its own block of out is the caller's): one
         fast operation per piece of piece_bytes of every rank's input; or the single copy (_gather_single_copy)."""
-        piece = _two_at_least(count, self.piece_bytes // dtype.itemsize)
+        piece = max(1, self.piece_bytes // dtype.itemsize)
         src, dst = _from_buffer(_CHARS, inp, False), _from_buffer(_CHARS, out, True)
 
         def step(k0: int, state: Any) -> int:
@@ -480,9 +474,7 @@ class FastPath:
         self._post(fp, k, np.array([int(ffi.cast("uintptr_t", buf))], np.uint64), 8, START)
         try:
             await self._wait(fp, k)
-            addrs = ffi.new("uint64_t[]", n)
-            for q in range(n):
-                addrs[q] = ffi.cast("uint64_t *", lib.hccl_fast_slot(segs[q], k) + DATA_OFF)[0]
+            addrs = self._posted_addresses(k)
             state, bad, err = ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
             while True:
                 r = lib.hccl_fast_all_reduce_cma(segs, n, me, k, self._pids, addrs, count, buf, dtype, op,
@@ -518,9 +510,7 @@ class FastPath:
         n, me = self.n, self.me
         self._post(fp, k, np.array([int(ffi.cast("uintptr_t", src))], np.uint64), 8, START)
         await self._wait(fp, k)
-        addrs = ffi.new("uint64_t[]", n)
-        for q in range(n):
-            addrs[q] = ffi.cast("uint64_t *", lib.hccl_fast_slot(self.segs_c[q], k) + DATA_OFF)[0]
+        addrs = self._posted_addresses(k)
         state, bad, err = ffi.new("uint64_t[1]"), ffi.new("int[1]"), ffi.new("int[1]")
         while True:
             r = lib.hccl_fast_gather_cma(n, me, self._pids, addrs, count, src, dst, dtype, op, int(reduce),
@@ -533,6 +523,13 @@ class FastPath:
             await asyncio.sleep(0)
         self._post(fp, k + 1, None, 0, DONE)
         await self._wait(fp, k + 1)
+
+    def _posted_addresses(self, k: int) -> Any:
+        """The buffer address every rank posted as fast operation k (a single copy's first)."""
+        addrs = ffi.new("uint64_t[]", self.n)
+        for q in range(self.n):
+            addrs[q] = ffi.cast("uint64_t *", lib.hccl_fast_slot(self.segs_c[q], k) + DATA_OFF)[0]
+        return addrs
 
     def _copy_failed(self, fp: Fingerprint, r: int, bad: int, err: int) -> Exception:
         """The error of a single copy's native call that returned r (-7: copying with rank `bad` (group rank)

@@ -11,7 +11,6 @@ import numpy as np
 from workers import DTYPES, OPS, check, expected_reduce, make, np_dtype
 
 import hetccl
-from hetccl import fastpath
 
 LIMIT = 4096  # the tests run with HETCCL_SHM_FASTPATH_BYTES=4096 and HETCCL_SHM_PIECE_BYTES=4096
 
@@ -27,7 +26,7 @@ def _pieces(comm: hetccl.Communicator, nbytes: int, count: int, piece: int) -> i
     fastpath.PIECED_MAX_RANKS (the transports)."""
     if nbytes <= comm._fast.limit:
         return 1
-    pieces = -(-count // fastpath._two_at_least(count, piece))
+    pieces = -(-count // max(1, piece))
     return pieces + (pieces & 1) if comm._fast.pieces else 0  # numbers taken in pairs (FastPath._in_pieces)
 
 
@@ -57,7 +56,7 @@ async def every_dtype_and_op(comm: hetccl.Communicator) -> None:
                 steps = 1 if count <= limit else 2 * -(-count // piece) if comm._fast.pieces else 0
                 assert _fast_ops(comm) - before == steps, (dtype, op, count, before, _fast_ops(comm))
             # reduce_scatter: one fast operation for a whole input of at most the limit, else one per piece of every
-            # block (a slot holds the piece of each), two at least (the single copy takes the first two)
+            # block (a slot holds the piece of each), an even number (the single copy uses the first two)
             k = max(1, count // n)
             for op in ("sum", "max", "avg"):
                 before = _fast_ops(comm)

@@ -1132,8 +1132,7 @@ class HetcclBackend(dist.ProcessGroup):
         CPU one's completion met a closed group (a SIGSEGV at 3 ranks, 2026-12-06), and an ordered one whose host
         side had not started would leave its peers waiting for it (likely the "closed after all_reduce #167"
         CollectiveMismatchError of the balancer's GPU memory test, H100, the same day)."""
-        comm = getattr(self, "_comm", None)
-        if comm is not None and self.broken is None:
+        if getattr(self, "_comm", None) is not None and self.broken is None:
             deadline = time.monotonic() + self._acomm.settings.timeout
             while self._submitted != self._finished and time.monotonic() < deadline:
                 time.sleep(0.0005)
