@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from benchcommon import bus_factor, parse_size  # noqa: E402
 from rankproc import free_port  # noqa: E402
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "all_gather in place", "reduce_scatter")  # in place: FSDP2's all_gather
 
 
 async def rank_main(sizes: list[int], iters: int, device: str = "cpu") -> None:
@@ -65,8 +65,11 @@ async def rank_main(sizes: list[int], iters: int, device: str = "cpu") -> None:
             if op == "all_reduce":
                 buf = full(count, r + 1)
                 call, want = functools.partial(comm.all_reduce, buf), n * (n + 1) / 2
-            elif op == "all_gather":
-                inp, buf = full(count // n, r + 1), full(count // n * n, 0)
+            elif op.startswith("all_gather"):
+                buf = full(count // n * n, 0)
+                k = count // n
+                inp = buf[r * k:(r + 1) * k] if op.endswith("in place") else full(k, 0)
+                inp[:] = r + 1
                 call, want = functools.partial(comm.all_gather, buf, inp), None
             else:
                 inp, buf = full(count // n * n, r + 1), full(count // n, 0)
@@ -91,7 +94,8 @@ async def rank_main(sizes: list[int], iters: int, device: str = "cpu") -> None:
                 await comm.all_reduce(t, op="max")
                 times.append(float(t[0]))
             med = statistics.median(times)
-            rows.append({"op": op, "size": size, "ms": med * 1e3, "busbw": size / med / 1e9 * bus_factor(op, n)})
+            busbw = size / med / 1e9 * bus_factor(op.split()[0], n)
+            rows.append({"op": op, "size": size, "ms": med * 1e3, "busbw": busbw})
     if r == 0:
         print("ROWS " + json.dumps(rows), flush=True)
     await comm.close()
