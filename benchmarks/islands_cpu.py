@@ -12,7 +12,8 @@ hetccl from another checkout (its native library built), for a before/after in o
 interleaved size by size. --compress runs each HETCCL_CROSS_COMPRESS value as a variant (interleaved too), with
 its time against the first one's. The "veth" path (root, 2 ranks) puts the two ranks in two network namespaces
 joined by a veth pair shaped to --link-gbit (tc tbf on both ends): two hosts on an Ethernet link of that rate,
-where loopback TCP costs what a memory copy costs. `--device cuda` makes every rank a GPU island (nvidia-<rank>,
+where loopback TCP costs what a memory copy costs. The "paced" path needs neither root nor `ip`: "hosts" with
+HETCCL_SOCKET_MAX_RATE at --link-gbit (the kernel paces each rank's sends to its peer at that rate). `--device cuda` makes every rank a GPU island (nvidia-<rank>,
 all on cuda:0, CUDA tensors through the same async API, a synchronize before each call's end): on one GPU with the
 veth path, GPU islands on two hosts joined by Ethernet of that rate, with host staging between them.
 """
@@ -116,8 +117,10 @@ def run_job(n: int, path: str, sizes: list[int], iters: int, repo: str | None, c
     for r in range(n):
         e = dict(env, HETCCL_RANK=str(r), HETCCL_WORLD_SIZE=str(n), HETCCL_ADDR=addr,
                  HETCCL_ISLAND=f"{kind}-{r}", HETCCL_LOCAL_RANK=str(r), HETCCL_SECRET="islands-bench-secret")
-        if path == "hosts":
+        if path in ("hosts", "paced"):
             e["HETCCL_HOST"] = ",".join(f"h{q}" for q in range(n))
+        if path == "paced":
+            e["HETCCL_SOCKET_MAX_RATE"] = str(int(link_gbit * 1e9 / 8))
         code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import asyncio, islands_cpu; "
                 f"asyncio.run(islands_cpu.rank_main({sizes!r}, {iters}, {device!r}))")
         cmd = [sys.executable, "-c", code]
@@ -164,7 +167,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repo", default=None, help="another checkout to compare against (before)")
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of each job")
-    ap.add_argument("--link-gbit", type=float, default=10.0, help="the veth path's rate, Gbit/s each way")
+    ap.add_argument("--link-gbit", type=float, default=10.0, help="the veth and paced paths' rate, Gbit/s each way")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the islands' memory")
     ap.add_argument("--compress", default=None, help="HETCCL_CROSS_COMPRESS values to compare, e.g. none,bf16,fp8")
     args = ap.parse_args()

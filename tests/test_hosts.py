@@ -123,6 +123,15 @@ def test_connections_on_first_use(mode: str, lazy_from: str | None, lazy: bool):
 
 
 @pytest.mark.timeout(120)
+def test_socket_max_rate_paces_every_connection():
+    """HETCCL_SOCKET_MAX_RATE: two hosts over TCP with two connections a pair, each paced at half the rate by the
+    kernel; a 4 MiB all_reduce at 8 MB/s takes its time and stays exact."""
+    env = {"HETCCL_HOST": "h0,h1", "HETCCL_TRANSPORTS": "tcp", "HETCCL_SOCKET_LANES": "2",
+           "HETCCL_SOCKET_PUMP_BYTES": "4096", "HETCCL_SOCKET_MAX_RATE": "8M"}
+    run_ranks(2, "workers:paced", env=env, timeout=110, rate=8 << 20)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", [None, "64K"])
 def test_ring_chunk_is_the_slowest_transports(setting):
     """The ring chunk of a communicator grows from 1 MiB up to what its slowest transport declares (tcp 4 MiB

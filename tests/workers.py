@@ -182,6 +182,23 @@ async def connects_at_init(comm: hetccl.Communicator) -> None:
     check(x, np.full(1 << 20, comm.size, np.float32), "eager ring all_reduce")
 
 
+async def paced(comm: hetccl.Communicator, rate: int) -> None:
+    """HETCCL_SOCKET_MAX_RATE=rate over TCP: every connection to a peer is paced at its even part (the kernel's
+    own reading of the option), and a 4 MiB ring all_reduce, which sends 4 MiB to the peer, takes at least half
+    of what that rate allows (a loaded machine only makes it slower); its result is exact."""
+    import socket
+
+    for peer, ep in comm._fabric.endpoints.items():
+        got = [s.getsockopt(socket.SOL_SOCKET, getattr(socket, "SO_MAX_PACING_RATE", 47)) for s in ep.socks]
+        assert got == [rate // len(ep.socks)] * len(ep.socks), (peer, got)
+    x = np.ones(1 << 20, np.float32)
+    t0 = time.perf_counter()
+    await comm.all_reduce(x)
+    took = time.perf_counter() - t0
+    check(x, np.full(1 << 20, comm.size, np.float32), "paced all_reduce")
+    assert took >= 0.5 * (4 << 20) / rate, took
+
+
 async def in_place_variants(comm: hetccl.Communicator) -> None:
     n, r = comm.size, comm.rank
     # all_gather in place: inp is this rank's slice of out

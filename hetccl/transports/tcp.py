@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from .. import params
 from ..config import usable_cpus
 from ..dtypes import block_ranges
-from ..errors import CollectiveTimeout, HetcclError, PeerLostError
+from ..errors import CollectiveTimeout, ConfigError, HetcclError, PeerLostError
 from ..matching import DROP, Matcher
 from ..netio import PUMP_STOPPED, Pump, pump_error, recv_into_exact, send_all
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
@@ -50,6 +51,25 @@ def lane_count() -> int:
     return value if value is not None else (3 if usable_cpus() >= 8 else 1)
 
 
+_SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's number; Python names it from 3.12 on
+
+
+def _pace(socks: Sequence[socket.socket]) -> None:
+    """HETCCL_SOCKET_MAX_RATE over a peer pair's connections: each sends at most its even part. The kernel paces
+    TCP itself where the qdisc does not (Linux 4.13 and later), loopback included."""
+    rate = params.get("HETCCL_SOCKET_MAX_RATE")
+    if not rate:
+        return
+    each = max(1, rate // len(socks))
+    value = each if each < 1 << 31 else struct.pack("=Q", each)  # above 32 bits the kernel (4.20+) reads a u64
+    for s in socks:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, value)
+        except OSError as e:
+            raise ConfigError(f"HETCCL_SOCKET_MAX_RATE: this kernel refused to pace a TCP connection ({e}); unset "
+                              "it") from e
+
+
 def _unsent(parts: list[Any], sent: int) -> bytes:
     """A copy of what is left of `parts` after their first `sent` bytes."""
     out = []
@@ -70,6 +90,7 @@ class TcpEndpoint(Endpoint):
         to do instead of failing the matcher and reporting the peer lost when the reader ends."""
         self.transport, self.peer, self.sock = transport, peer, sock
         self.socks = [sock, *lanes]
+        _pace(self.socks)
         self._split_min = split_bytes if lanes and split_bytes else 1 << 62
         self.loop = asyncio.get_running_loop()
         settings = transport.ctx.settings
