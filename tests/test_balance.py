@@ -65,7 +65,7 @@ def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[
     assert calibrated and calibrated[0][0] <= 26, hist[0]
     if kind == "ddp-memory":  # rank 0's memory holds 36 samples: its cap, not its speed, sets its share
         assert calibrated[0][1][0] == 36 and "memory: rank 0 at most 36 samples" in calibrated[0][2], hist[0]
-        assert all(h[1][0] <= 36 for h in hist[0] if h[0] > calibrated[0][0]), hist[0]
+        assert all(h[1][0] <= 36 for h in hist[0]), hist[0]  # the calibration's probe too
     else:
         assert 40 <= calibrated[0][1][0] <= 54, hist[0]  # ideal 48 of 64
     assert any(h[0] > 40 and h[2].startswith("drift") for h in hist[0]), hist[0]

@@ -323,8 +323,9 @@ class Balancer:
     memory: auto mode's gauge of this rank's memory, a callable giving (the peak bytes since its last call, the
     bytes this rank may use); it is read before each training forward, the peak fitted as m0 + m1 b, and the
     rank's cap lowered to what fits in MEMORY_HEADROOM of its memory. "auto": the CUDA caching allocator's
-    peak for a model on a GPU (cuda_memory), none elsewhere; None: no gauge. A share may pass the memory in the
-    first steps (the probe takes a third more) before the gauge has seen two batch sizes.
+    peak for a model on a GPU (cuda_memory), none elsewhere; None: no gauge. Before the gauge has seen two batch
+    sizes, the calibration's probe (a third more for some ranks) grows a rank only as far as its peak, scaled in
+    proportion to the batch, fits.
     group: the process group (default WORLD); without torch.distributed initialised, one rank."""
 
     def __init__(self, global_batch: int, shares: str | Sequence[int] = "auto", *, group: Any = None,
@@ -444,20 +445,36 @@ class Balancer:
         probe_at = self.warmup + self.calibrate_steps
         if k == probe_at and not self._calibrated:
             self._before_probe = list(self.shares)
-            probe = self._probe()
+            probe = self._probe(self._probe_caps())
             if probe != self.shares:
                 self._decided(probe, "calibration: uneven shares to time a second batch size")
         if (k >= 2 * probe_at and not self._calibrated) or (self._calibrated and k - self._last_check
                                                            >= self.check_every):
             self._decide(k)
 
-    def _probe(self) -> list[int]:
-        """Shares a third off the current ones, alternately up and down (the sum unchanged), within the caps."""
+    def _probe_caps(self) -> list[int]:
+        """Every rank: the caps of the calibration's probe. A rank whose memory gauge has seen one batch size
+        only, b0 at a peak p0, may grow to what fits in MEMORY_HEADROOM of its memory if the peak grows as
+        b p0 / b0 (a peak m0 + m1 b with m0 >= 0 grows no faster), so that the probe's larger batch does not run
+        it out of memory before the fit has two sizes."""
+        b0 = self.shares[self.rank]
+        seen = [p for b, p in self._peaks if b == b0]
+        row = [float(b0), max(seen) if seen else 0.0, self._memory_limit]
+        caps = list(self.caps)
+        for i, (b, peak, limit) in enumerate(self._gather(row).tolist()):
+            if b >= 1 and peak > 0 and limit > 0:
+                caps[i] = min(caps[i], max(int(b), int(MEMORY_HEADROOM * limit * b / peak)))
+        return caps
+
+    def _probe(self, caps: list[int]) -> list[int]:
+        """Shares a third off the current ones, alternately up and down (the sum unchanged), within the caps: in
+        each pair of ranks the first goes up, or down where its cap holds it."""
         out = list(self.shares)
         for i in range(0, self.world - 1, 2):
-            d = min(max(1, out[i] // 3), out[i + 1], self.caps[i] - out[i])
+            lo, hi = (i, i + 1) if caps[i] > out[i] else (i + 1, i)  # lo gives, hi takes
+            d = min(max(1, out[hi] // 3), out[lo], caps[hi] - out[hi])
             if d > 0:
-                out[i], out[i + 1] = out[i] + d, out[i + 1] - d
+                out[hi], out[lo] = out[hi] + d, out[lo] - d
         return out
 
     def _decide(self, k: int) -> None:
