@@ -29,13 +29,13 @@ Parts (`--only fsdp,ddp,ops,overlap`), all through torch.distributed:
    steps (--quick 2 + 5), each bracketed by synchronize; step time = the slowest rank's, the table gives the median.
    Rank 0's losses are compared with the anchor's (equal within 1e-6 relative?).
 2. ddp: the same model in DistributedDataParallel, bf16 autocast, AdamW; the same steps.
-3. ops: all_gather_into_tensor (bf16, output 4/16/25/64/100 MiB), reduce_scatter_tensor (fp32, input
-   8/16/50/64/200 MiB), all_reduce (fp32, 8/16/50/64/200 MiB). Per size: the first call is checked (rank-valued inputs),
-   k warm-up calls back to back (the pinned staging of k calls in flight is allocated once, as in a training loop's
-   steady state), then per repetition a barrier + synchronize, k calls back to back, synchronize; time = elapsed / k
-   (k 5, --quick 2), the slowest rank's, median of 3 repetitions (--quick 1). algbw = bytes / time (the output of
-   all_gather, the input of reduce_scatter, the buffer of all_reduce), busbw = algbw x (n-1)/n (all_gather,
-   reduce_scatter), x 2(n-1)/n (all_reduce), as nccl-tests.
+3. ops: all_gather_into_tensor (bf16, output 4/16/25/64/100 MiB; in place, FSDP2's form, 16/64/100 MiB),
+   reduce_scatter_tensor (fp32, input 8/16/50/64/200 MiB), all_reduce (fp32, 8/16/50/64/200 MiB). Per size: the first
+   call is checked (rank-valued inputs), k warm-up calls back to back (the pinned staging of k calls in flight is
+   allocated once, as in a training loop's steady state), then per repetition a barrier + synchronize, k calls back
+   to back, synchronize; time = elapsed / k (k 5, --quick 2), the slowest rank's, median of 3 repetitions (--quick
+   1). algbw = bytes / time (the output of all_gather, the input of reduce_scatter, the buffer of all_reduce), busbw
+   = algbw x (n-1)/n (all_gather, reduce_scatter), x 2(n-1)/n (all_reduce), as nccl-tests.
 4. overlap (GPU only): (a) held: ~8 ms of matmuls queued on the current stream (their count calibrated once with CUDA
    events, the same count on both ranks), then how long the blocking `dist.<op>(..., async_op=False)` keeps the Python
    thread (time.perf_counter), for all_reduce, broadcast, reduce_scatter_tensor, all_gather_into_tensor at 16 MiB fp32;
@@ -83,10 +83,12 @@ PARTS = ("fsdp", "ddp", "ops", "overlap")
 MIB = 1 << 20
 # op -> (dtype, sizes in MiB: the output of all_gather, the input of reduce_scatter, the buffer of all_reduce)
 OP_SIZES = {"all_gather": ("bfloat16", (4, 16, 25, 64, 100)),
+            "all_gather in place": ("bfloat16", (16, 64, 100)),  # FSDP2's: the input is the rank's block of out
             "reduce_scatter": ("float32", (8, 16, 50, 64, 200)),
             "all_reduce": ("float32", (8, 16, 50, 64, 200))}
 HELD_OPS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
-BUSBW = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+BUSBW = {"all_gather": lambda n: (n - 1) / n, "all_gather in place": lambda n: (n - 1) / n,
+         "reduce_scatter": lambda n: (n - 1) / n,
          "all_reduce": lambda n: 2 * (n - 1) / n}
 # model shapes: full (the GPU), small (CPU), tiny (CPU --quick)
 MODELS = {"full": {"vocab": 8192, "d": 1024, "heads": 16, "ff": 4096, "layers": 8},
@@ -287,9 +289,11 @@ class Worker:
         dist, n, r = self.dist, self.world, self.rank
         total = self.numel(mib, dtype)
         want = float(n * (n + 1) // 2)
-        if op == "all_gather":
-            inp = torch.full((total // n,), r + 1, dtype=dtype, device=self.dev)
+        if op.startswith("all_gather"):
             out = torch.empty(total, dtype=dtype, device=self.dev)
+            k = total // n
+            inp = out[r * k:(r + 1) * k] if op.endswith("in place") else torch.empty(k, dtype=dtype, device=self.dev)
+            inp.fill_(r + 1)
             expect = torch.arange(1, n + 1, dtype=dtype, device=self.dev).view(n, 1)
             return (lambda **kw: self.all_gather(out, inp, **kw)), (lambda: bool((out.view(n, -1) == expect).all()))
         if op == "reduce_scatter":
@@ -649,7 +653,7 @@ def report(a: argparse.Namespace, results: dict[str, dict], skipped: dict[str, s
                 L += [f"{op}: no results", ""]
                 continue
             rows0 = results[have[0]]["ops"][op]
-            what = {"all_gather": "output", "reduce_scatter": "input", "all_reduce": "buffer"}[op]
+            what = {"reduce_scatter": "input", "all_reduce": "buffer"}.get(op, "output")
             L += [f"### {op} ({dtype}, size = {what})", "",
                   "| size | " + " | ".join(have) + f" | busbw vs {anchor} |",
                   "|---|" + "---|" * len(have) + "---|"]

@@ -13,9 +13,10 @@ interleaved size by size. --compress runs each HETCCL_CROSS_COMPRESS value as a 
 its time against the first one's. The "veth" path (root, 2 ranks) puts the two ranks in two network namespaces
 joined by a veth pair shaped to --link-gbit (tc tbf on both ends): two hosts on an Ethernet link of that rate,
 where loopback TCP costs what a memory copy costs. The "paced" path needs neither root nor `ip`: "hosts" with
-HETCCL_SOCKET_MAX_RATE at --link-gbit (the kernel paces each rank's sends to its peer at that rate). `--device cuda` makes every rank a GPU island (nvidia-<rank>,
-all on cuda:0, CUDA tensors through the same async API, a synchronize before each call's end): on one GPU with the
-veth path, GPU islands on two hosts joined by Ethernet of that rate, with host staging between them.
+HETCCL_SOCKET_MAX_RATE at --link-gbit (the kernel paces each rank's sends to its peer at that rate).
+`--device cuda` makes every rank a GPU island (nvidia-<rank>, all on cuda:0, CUDA tensors through the same async
+API, a synchronize before each call's end): on one GPU with the veth or paced path, GPU islands on two hosts
+joined by a link of that rate, with host staging between them.
 """
 
 from __future__ import annotations
