@@ -1136,6 +1136,10 @@ class HetcclBackend(dist.ProcessGroup):
             deadline = time.monotonic() + self._acomm.settings.timeout
             while self._submitted != self._finished and time.monotonic() < deadline:
                 time.sleep(0.0005)
+            if self._submitted != self._finished:  # they fail on the closed group: say why they did
+                log.warning("hetccl: destroy_process_group closes the group with %d of its collectives unfinished "
+                            "after the timeout (%.0f s)", self._submitted - self._finished,
+                            self._acomm.settings.timeout)
         comm = self._detach()
         if comm is not None:
             try:
