@@ -67,9 +67,10 @@ class SlowData(torch.utils.data.Dataset):
         return [self.inner[i] for i in idx]
 
 
-def _reference(ds: TensorDataset, steps: int, batch: int = B) -> list[torch.Tensor]:
-    """One process over the same global batches (seed 0, as _train's sampler)."""
-    model = _model()
+def _reference(ds: TensorDataset, steps: int, batch: int = B, model: torch.nn.Module | None = None
+               ) -> list[torch.Tensor]:
+    """One process over the same global batches (seed 0, as _train's sampler), of `model` (default _model())."""
+    model = _model() if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _, idx in zip(range(steps), balance.global_batches(len(ds), batch, 0), strict=False):
         x, y = ds[idx]
@@ -229,6 +230,56 @@ def case_auto(kind: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _address_space() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+
+
+def case_found_cap(out: str) -> None:
+    """Rank 1's memory is limited for real (RLIMIT_AS, with MALLOC_MMAP_THRESHOLD_ fixed so that freed tensors
+    give their address space back) to about 40 samples of this model's step (1 MiB of activations a sample):
+    balance.find_cap finds its cap by trying, through real out-of-memory errors of the CPU allocator, and the
+    auto shares then keep it there while rank 0 takes the rest, where the equal split (64) runs out of memory.
+    The replicas still equal the single-process run."""
+    import resource
+
+    torch.set_num_threads(1)  # no thread pool grows the address space under the limit
+    dist.init_process_group("hetccl")
+    r = dist.get_rank()
+    batch, width = 128, 65536
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+    g = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(batch * 4, 8, generator=g), torch.randn(batch * 4, 1, generator=g))
+    want = _reference(ds, 4, batch, make())
+    model = DDP(make())  # its parameters broadcast: the group's threads and connections are up
+    local = model.module
+
+    def trial(b: int) -> None:
+        torch.nn.functional.mse_loss(local(torch.randn(b, 8)), torch.randn(b, 1)).backward()
+
+    cap, oom = batch, ""
+    if r == 1:
+        trial(8)  # the gradients' buffers are allocated once, before the limit
+        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + (40 << 20), resource.RLIM_INFINITY))
+        try:
+            trial(64)
+        except RuntimeError as exc:
+            oom = str(exc)
+        assert "can't allocate memory" in oom, f"the equal share, 64 samples, ran within the limit ({oom!r})"
+        cap = balance.find_cap(trial, batch)
+        assert 16 <= cap < 64, cap
+    bal = balance.Balancer(batch, "auto", cap=cap).attach(model)
+    _train(model, bal, ds, 4)  # with rank 1's limit still on
+    _close(_params(model), want, 1e-5, "found cap")
+    with open(f"{out}.{r}", "w") as f:
+        json.dump({"history": bal.history, "cap": cap}, f)
+    dist.destroy_process_group()
+
+
 def case_gpu_memory(out: str) -> None:
     """Rank 0 on the GPU, whose memory (torch.cuda.set_per_process_memory_fraction) holds about 450 samples of
     this model's step (measured alone first), beside rank 1 on the CPU, slowed: auto shares would give the
@@ -239,6 +290,7 @@ def case_gpu_memory(out: str) -> None:
     planned 446 samples ran out of memory with 28.6 MiB reserved but unallocated (H100, 2026-12-06)."""
     r = int(os.environ["RANK"])
     dev = torch.device("cuda", 0) if r == 0 else torch.device("cpu")
+    cap = None
     batch, width = 512, 16384  # wide and shallow: the activations (about 128 KiB a sample) outweigh the weights
 
     def make() -> torch.nn.Module:
@@ -258,11 +310,15 @@ def case_gpu_memory(out: str) -> None:
         m1 = (peaks[1] - peaks[0]) / 192
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction((peaks[0] + m1 * (450 - 64)) / balance.MEMORY_HEADROOM / total, dev)
+        # the cap found by trying, through real CUDA out-of-memory errors (4x the batch cannot fit): the gauge,
+        # which keeps MEMORY_HEADROOM back, binds below it
+        cap = balance.find_cap(lambda b: alone(torch.randn(b, 64, device=dev)).square().mean().backward(), 4 * batch)
+        assert 450 <= cap < 4 * batch, cap
         del alone
         torch.cuda.empty_cache()
     dist.init_process_group("hetccl")
     model = DDP(make())
-    bal = balance.Balancer(batch, "auto", check_every=5).attach(model)
+    bal = balance.Balancer(batch, "auto", check_every=5, cap=cap if r == 0 else None).attach(model)
     g = torch.Generator().manual_seed(1)
     ds = TensorDataset(torch.randn(batch * 64, 64, generator=g), torch.randn(batch * 64, 1, generator=g))
     sampler = balance.BatchSampler(ds, bal, seed=0)

@@ -79,6 +79,17 @@ def test_auto_shares_follow_measured_speed(tmp_path: Path, kind: str, env: dict[
 
 
 @pytest.mark.timeout(120)
+def test_a_cap_found_by_trying_keeps_a_rank_within_its_memory(tmp_path: Path) -> None:
+    """Rank 1's address space limited for real: balance.find_cap finds its cap through the CPU allocator's real
+    out-of-memory errors (the equal share runs out, checked first), and auto shares train within it, two
+    islands, the replicas equal to one process (tests/balance_workers.py found_cap)."""
+    run_torchrun(2, "found_cap", str(tmp_path / "cap"), script=WORKERS,
+                 env={"TEST_HETCCL_ISLAND": "cpu-0,cpu-1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+    cap = json.loads((tmp_path / "cap.1").read_text())["cap"]
+    hist = json.loads((tmp_path / "cap.0").read_text())["history"]
+    assert all(h[1] == [128 - cap, cap] for h in hist) and f"caps [128, {cap}]" in hist[0][2], (cap, hist)
+
+
 def test_example_matches_its_reference(tmp_path: Path) -> None:
     """examples/train_balanced.py, auto shares with a slowed rank, ends where its one-process --reference ends."""
     import subprocess

@@ -29,6 +29,7 @@ workers and prefetching are fine).
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import statistics
@@ -379,7 +380,9 @@ class Balancer:
         self._last = (self.shares[self.rank], global_batch)  # (share, batch total) of the last training forward
         if self.mode == "auto":
             self._check_caps_now()
-        self._decided(self.shares, "initial " + self.mode + (" split" if self.mode != "fixed" else " shares"))
+        capped = self.mode == "auto" and self.shares != _equal(global_batch, self.world)
+        self._decided(self.shares, "initial " + self.mode + (" split" if self.mode != "fixed" else " shares")
+                      + (f" within the ranks' caps {self.caps}" if capped else ""))
 
     # ---- checks ------------------------------------------------------------------------------------------
     def _check_list(self, shares: Sequence[int]) -> list[int]:
@@ -644,6 +647,50 @@ class Balancer:
             raise ConfigError("balance: the sampler hands out uneven shares, but no model's gradients are weighted "
                               "by them, so DDP / FSDP2 would average them wrongly; call balancer.attach(model) "
                               "before iterating the sampler")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether exc is an allocator's out-of-memory: CUDA's (torch.OutOfMemoryError, ROCm's too) or the CPU
+    allocator's (a RuntimeError that says it cannot allocate)."""
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return isinstance(exc, (oom, MemoryError)) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc)))
+
+
+def find_cap(trial: Callable[[int], Any], upper: int, *, lower: int = 1) -> int:
+    """This rank's cap found by trying, for Balancer(cap=...): the largest batch size in [lower, upper] at which
+    `trial(b)` ran without running out of memory, or lower - 1 if none did (0: the rank takes no samples).
+
+    trial(b) runs what one training step of b samples allocates on this rank alone, without collectives: the
+    forward and backward of the module before DDP wraps it (and its optimizer's step, whose states take memory
+    from the first step on). Each rank calls it before training, so an out-of-memory lowers the cap instead of
+    ending the job; inside the wrapped step it could not (DDP's or FSDP2's collectives would be half issued on
+    that rank). It tries `upper` first, then bisects: about log2(upper) trials where the upper one does not fit.
+    Gradients the trials leave are the caller's to clear (`model.zero_grad(set_to_none=True)`)."""
+    if not 1 <= lower <= upper:
+        raise ConfigError(f"balance.find_cap: need 1 <= lower <= upper (got lower={lower}, upper={upper})")
+    fits, fails = lower - 1, upper + 1  # the largest size known to run, the smallest known not to
+    b = upper
+    while fits + 1 < fails:
+        failed = False
+        try:
+            trial(b)
+        except Exception as exc:
+            if not _out_of_memory(exc):
+                raise
+            failed = True  # released below, out of the handler: its traceback holds the trial's tensors
+        if failed:
+            fails = b
+            gc.collect()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        else:
+            fits = b
+        log.debug("balance.find_cap: %d samples %s", b, "ran out of memory" if failed else "fit")
+        b = (fits + fails) // 2
+    log.info("balance.find_cap: this rank's cap is %d samples (%s)", fits,
+             f"{fails} ran out of memory" if fails <= upper else "the upper bound fit")
+    return fits
 
 
 def global_batches(size: int, global_batch: int, seed: int, shuffle: bool = True, drop_last: bool = True
