@@ -3,32 +3,36 @@ the GPU cross-island link are laid out in."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
+import time
 
 import numpy as np
 
-from .errors import TransportError
+from .errors import CollectiveTimeout, TransportError
 from .native import ffi
 
 
 class Segment:
     """Created (create=True, zeroed unless touch=False) or opened at its expected size; `mem` is a byte view,
-    `cbase` its C address, and the first 8 bytes are the owner's waiting flag."""
+    `cbase` its C address, and the first 8 bytes are the owner's waiting flag. publish=False creates it under
+    a private name until publish(), so that a peer opening it by name (opened()) finds it whole."""
 
-    def __init__(self, name: str, size: int, create: bool, touch: bool = True):
+    def __init__(self, name: str, size: int, create: bool, touch: bool = True, publish: bool = True):
         self.name, self.size = name, size
         path = "/dev/shm/" + name
+        self.part = path + ".part" if create and not publish else ""  # where it is until publish()
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(self.part or path, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, size)
                 try:  # take the pages now: a full /dev/shm is this error, not a SIGBUS on first touch
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    os.unlink(path)
+                    os.unlink(self.part or path)
                     raise TransportError(f"/dev/shm cannot hold shared segment {name} ({size >> 10} KiB): "
                                          f"{exc.strerror}; enlarge /dev/shm (docker: --shm-size) or lower the "
                                          "HETCCL_SHM_* sizes") from None
@@ -44,6 +48,29 @@ class Segment:
             self.mem[:] = 0  # fault the pages in now, not on the hot path (touch=False: the caller places them)
         self.waiting = ffi.cast("uint64_t *", self.cbase)
 
+    def publish(self) -> None:
+        """Give the segment its name, by an atomic rename once it is sized, zeroed and laid out: a peer polling
+        for the name (opened()) never maps it half made, so making and opening need no barrier between them."""
+        if self.part:
+            os.rename(self.part, "/dev/shm/" + self.name)
+            self.part = ""
+
+    @classmethod
+    async def opened(cls, name: str, size: int, timeout: float, what: str) -> Segment:
+        """Segment `name` opened once its maker has published it, polled (1 ms, doubling to 50 ms) for up to
+        `timeout` seconds; CollectiveTimeout saying `what` it is after that."""
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            try:
+                return cls(name, size, create=False)
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise CollectiveTimeout(f"{what} (/dev/shm/{name}) did not appear within {timeout:.0f} s") \
+                        from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
     def close(self) -> None:
         """Unmap now: the mapping holds a file descriptor until then (CPython's mmap keeps a duplicate), which a
         process that makes and drops communicators in a loop would otherwise pile up until the collector runs.
@@ -54,5 +81,7 @@ class Segment:
 
     @staticmethod
     def unlink(name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink("/dev/shm/" + name)
+        """Drop the name, and an unpublished segment's private one."""
+        for path in ("/dev/shm/" + name, "/dev/shm/" + name + ".part"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -16,8 +16,9 @@ follow each other in the ring (a per-ring send queue keeps messages whole).
 - The doorbell sockets are authenticated (HMAC, like every data connection: listener.py's accept and dial,
   on an abstract Unix socket) and double as liveness: a
   peer that dies closes them and every pending receive from it fails with PeerLostError.
-- Segments are unlinked as soon as every local peer has mapped them, so nothing is left in /dev/shm after
-  a crash; close() unlinks again in case a peer never arrived.
+- Set-up meets no store: a segment appears under its name only whole (made under a private name, then
+  renamed), the peers poll for it, and say on the doorbell that they mapped it. It is unlinked then, so
+  nothing is left in /dev/shm after a crash; close() unlinks again in case a peer never arrived.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ RING_HEADER = PAGE  # head at 0, tail at 128
 FRAG = struct.Struct("<QII")  # fragment offset, fragment length, payload offset in the slot
 HDR_LEN = DATA_HEADER.size
 SLOT_HDR = HDR_LEN + FRAG.size
+MAPPED = b"M"  # a doorbell's first byte: its sender mapped every segment it needs (wake-ups are 1 and 2)
 
 
 def _slot_bytes() -> int:
@@ -269,6 +271,23 @@ class ShmTransport(Transport):
             raise CollectiveTimeout(f"rank {self.ctx.rank}: rank {peer} never rang the shared-memory doorbell") \
                 from None
 
+    async def _mapped(self, peer: int, bell: socket.socket) -> None:
+        """Tell `peer` on the doorbell that this rank mapped every segment it needs (its first byte there), and
+        wait for the same from it: then its segment may be unlinked. A wake-up can only follow that byte."""
+        loop = self.loop
+        try:
+            await loop.sock_sendall(bell, MAPPED)
+            got = await asyncio.wait_for(loop.sock_recv(bell, 1), self.ctx.settings.timeout)
+        except TimeoutError:
+            raise CollectiveTimeout(f"rank {self.ctx.rank}: rank {peer} never said it mapped the shared-memory "
+                                    "segments") from None
+        except OSError as exc:
+            raise PeerLostError(f"rank {self.ctx.rank}: rank {peer} left while mapping the shared-memory segments "
+                                f"({exc})", peer) from None
+        if got != MAPPED:
+            raise PeerLostError(f"rank {self.ctx.rank}: rank {peer} left while mapping the shared-memory segments"
+                                + ("" if not got else f" (it sent {got!r} first)"), peer)
+
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         ctx = self.ctx
         local = sorted(ctx.local_ranks)
@@ -280,21 +299,22 @@ class ShmTransport(Transport):
         ring_size = _Ring.size(self.slots, self.slot_bytes)
         size = SEG_HEADER + len(order) * ring_size
         self.seg_name = f"hetccl-{ctx.job}-{ctx.rank}"
-        self.seg = Segment(self.seg_name, size, create=True)
+        self.seg = Segment(self.seg_name, size, create=True, publish=False)
         for i, p in enumerate(order):
             self.in_rings[p] = _Ring(self.seg.mem, self.seg.cbase, SEG_HEADER + i * ring_size, self.slots,
                                      self.slot_bytes, p)
-        # the host's ranks meet twice on the store (segments made, then mapped), in one request each
-        store, key = ctx.store, f"{ctx.job}/shm/{min(order[0], ctx.rank)}"
-        await store.arrive(f"{key}/created", len(order) + 1)
+        # no store barrier (issue 32: a request per rank each): a segment appears under its name whole, and the
+        # peers poll for it; they say they mapped it on the doorbell, after which it is unlinked
+        self.seg.publish()
         for p in order:
             # my outbound ring to p lives in p's segment, at my index among p's peers
             their_peers = sorted(set(local) - {p})
-            seg = Segment(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size, create=False)
+            seg = await Segment.opened(f"hetccl-{ctx.job}-{p}", SEG_HEADER + len(their_peers) * ring_size,
+                                       ctx.settings.timeout, f"rank {ctx.rank}: rank {p}'s shared-memory segment")
             self.peer_segs[p], self.peer_mem[p], self.peer_cbase[p] = seg, seg.mem, seg.cbase
-        await store.arrive(f"{key}/mapped", len(order) + 1)
-        Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
         bells = await asyncio.gather(*(self._doorbell(p, peers[p]) for p in order))
+        await asyncio.gather(*(self._mapped(p, bell) for p, bell in zip(order, bells, strict=True)))
+        Segment.unlink(self.seg_name)  # everyone has it mapped: nothing can leak from here on
         for p, bell in zip(order, bells, strict=True):
             their_peers = sorted(set(local) - {p})
             seg = self.peer_segs[p]
