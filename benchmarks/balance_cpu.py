@@ -94,6 +94,8 @@ def main() -> None:
                       "auto", "--slow-rank", "1",
                       "--slow-factor", f, "--drift-at", str(args.drift_at)]),
     }
+    if args.drift_steps <= 0:  # --drift-steps 0: no drift job
+        jobs.pop("drift", None)
     got: dict[str, list[dict]] = {k: [] for k in jobs}
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)

@@ -184,6 +184,8 @@ def main() -> None:
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+    if not marks:
+        raise SystemExit(f"no training step ran (--steps {args.steps}, {len(ds)} samples in batches of {B})")
     # the last step's global-batch loss: once, after the timed steps (each rank's loss is of its own share)
     if args.reference or bal is None:
         loss_v = float(loss.detach())
