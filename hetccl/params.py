@@ -262,10 +262,13 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        "`HETCCL_SOCKET_PUMP_BYTES` is split over all of them, each moved by its own pump threads (one connection "
        "tops out at ~2 GB/s each way on loopback); the two ranks use the smaller of their values",
        "hetccl.transports.tcp",
-       lo=1, hi=16, shown="3 with 8 or more usable cores, else 1 (and 1 when the pumps are off)"),
+       lo=1, hi=16, shown="3 with 8 or more usable cores, else 1 (and 1 when the pumps are off, or under "
+       "`HETCCL_SOCKET_MAX_RATE`)"),
     _P("HETCCL_SOCKET_MAX_RATE", "size", None, "the most bytes a second this rank sends to one TCP peer, split "
-       "evenly over the pair's connections (the kernel's pacing, `SO_MAX_PACING_RATE`): leaves a shared link's "
-       "bandwidth to other traffic, or makes loopback behave as a link of that rate (`1250M` is 10 Gbit/s)",
+       "evenly over the pair's connections (the kernel's pacing, `SO_MAX_PACING_RATE`; one connection unless "
+       "`HETCCL_SOCKET_LANES` says more, since a payload below the split size crosses one connection only): leaves "
+       "a shared link's bandwidth to other traffic, or makes loopback behave as a link of that rate (`1250M` is "
+       "10 Gbit/s)",
        "hetccl.transports.tcp", lo=1 << 20, shown="none (no cap)"),
     _P("HETCCL_BIND_ADDR", "str", None, "address data listeners bind to", "hetccl.netio", field="bind_addr",
        shown="the local address that routes to `HETCCL_ADDR`"),

@@ -46,9 +46,13 @@ def connects_lazily(size: int) -> bool:
 
 
 def lane_count() -> int:
-    """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (the transport keeps 1 without pumps)."""
+    """HETCCL_SOCKET_LANES, or its default for this machine's usable cores (the transport keeps 1 without pumps),
+    and 1 under HETCCL_SOCKET_MAX_RATE: the rate is split over a pair's connections, and a payload below the
+    split size crosses one of them only, at a part of the rate."""
     value = params.get("HETCCL_SOCKET_LANES")
-    return value if value is not None else (3 if usable_cpus() >= 8 else 1)
+    if value is not None:
+        return value
+    return 1 if params.get("HETCCL_SOCKET_MAX_RATE") else (3 if usable_cpus() >= 8 else 1)
 
 
 _SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux's number; Python names it from 3.12 on
