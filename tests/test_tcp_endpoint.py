@@ -229,20 +229,14 @@ def test_a_paced_pair_keeps_one_connection(monkeypatch: pytest.MonkeyPatch) -> N
     """Under HETCCL_SOCKET_MAX_RATE a pair uses one connection by default: the rate is split over a pair's
     connections, and a payload below the split size (a compressed piece) would cross one of them at a third of
     the rate (16 usable cores: 3 lanes otherwise). HETCCL_SOCKET_LANES still wins."""
-    from hetccl import params
     from hetccl.transports import tcp
 
     monkeypatch.setattr(tcp, "usable_cpus", lambda: 16)
     want = {(None, None): 3, ("1250M", None): 1, ("1250M", "2"): 2}
-    try:
-        for (rate, lanes), n in want.items():
-            for name, value in (("HETCCL_SOCKET_MAX_RATE", rate), ("HETCCL_SOCKET_LANES", lanes)):
-                if value is None:
-                    monkeypatch.delenv(name, raising=False)
-                else:
-                    monkeypatch.setenv(name, value)
-            params.reload()
-            assert tcp.lane_count() == n, (rate, lanes)
-    finally:
-        monkeypatch.undo()
-        params.reload()
+    for (rate, lanes), n in want.items():  # conftest's monkeypatch makes hetccl read its parameters again
+        for name, value in (("HETCCL_SOCKET_MAX_RATE", rate), ("HETCCL_SOCKET_LANES", lanes)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert tcp.lane_count() == n, (rate, lanes)
