@@ -61,6 +61,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import os
 import secrets
 import socket
@@ -73,7 +74,7 @@ from . import native, params
 from . import observe as _obs
 from .dtypes import _FAST as _NP_DTYPES
 from .dtypes import DType, ReduceOp, parse_op
-from .errors import HetcclError, PeerLostError, TransportError
+from .errors import HetcclError, PeerLostError
 from .matching import mismatch_error
 from .shmseg import Segment
 from .wire import CollOp, Fingerprint
@@ -193,11 +194,8 @@ class FastPath:
     # ---- set-up (the first fast operation, on every rank) --------------------------------------------
     def _create(self) -> None:
         size = lib.hccl_fast_seg_size(self.slot_bytes)
-        try:
-            seg = Segment(self.own_name, size, create=True)
-        except FileExistsError:  # a leftover of an earlier process with this job id: ours to replace
-            Segment.unlink(self.own_name)
-            seg = Segment(self.own_name, size, create=True)
+        Segment.unlink(self.own_name)  # a leftover of an earlier process with this job id: ours to replace
+        seg = Segment(self.own_name, size, create=True, publish=False)
         self.own = seg
         self.segs[self.me] = seg
         self.segs_c[self.me] = seg.cbase
@@ -206,7 +204,7 @@ class FastPath:
         lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, PID), os.getpid())
         lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, BASE), int(ffi.cast("uintptr_t", seg.cbase)))
         lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, COOKIE), secrets.randbits(64) | 1)
-        lib.hccl_store_release(lib.hccl_fast_word(seg.cbase, 4), 1)  # ready: the stride is written
+        seg.publish()  # under its name only now, laid out: a peer that opens it reads every word above
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)
         sock.bind(self.addrs[self.me])
@@ -223,15 +221,9 @@ class FastPath:
         for r in range(self.n):
             if r == self.me or self.segs[r] is not None:
                 continue
-            name = f"{prefix}-{members[r]}"
-            while True:
-                self._check_peers()
-                seg = None
-                with contextlib.suppress(FileNotFoundError, TransportError):
-                    seg = Segment(name, size, create=False)
-                if seg is not None and lib.hccl_load_acquire(lib.hccl_fast_word(seg.cbase, 4)):
-                    break
-                await asyncio.sleep(0.001)
+            # no deadline of its own: the scheduler's watchdog is this operation's (a CollectiveTimeout naming it)
+            seg = await Segment.opened(f"{prefix}-{members[r]}", size, math.inf,
+                                       f"rank {members[r]}'s fast-path segment", check=self._check_peers)
             self.segs[r] = seg
             self.segs_c[r] = seg.cbase
             lib.hccl_fetch_add(lib.hccl_fast_word(seg.cbase, 0), 1)

@@ -8,6 +8,7 @@ import contextlib
 import mmap
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,12 +57,16 @@ class Segment:
             self.part = ""
 
     @classmethod
-    async def opened(cls, name: str, size: int, timeout: float, what: str) -> Segment:
+    async def opened(cls, name: str, size: int, timeout: float, what: str,
+                     check: Callable[[], None] | None = None) -> Segment:
         """Segment `name` opened once its maker has published it, polled (1 ms, doubling to 50 ms) for up to
-        `timeout` seconds; CollectiveTimeout saying `what` it is after that."""
+        `timeout` seconds; CollectiveTimeout saying `what` it is after that. check() runs before each look (it
+        raises what ended the wait early: a lost peer)."""
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:
+            if check is not None:
+                check()
             try:
                 return cls(name, size, create=False)
             except FileNotFoundError:

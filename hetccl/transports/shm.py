@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import native, params
 from ..config import usable_cpus
-from ..errors import CollectiveTimeout, PeerLostError
+from ..errors import CollectiveTimeout, PeerLostError, ProtocolError
 from ..matching import CONTROL_TAGS, DROP
 from ..shmseg import Segment
 from ..wire import DATA_HEADER, Fingerprint, pack_data_header, unpack_data_header
@@ -284,9 +284,12 @@ class ShmTransport(Transport):
         except OSError as exc:
             raise PeerLostError(f"rank {self.ctx.rank}: rank {peer} left while mapping the shared-memory segments "
                                 f"({exc})", peer) from None
-        if got != MAPPED:
-            raise PeerLostError(f"rank {self.ctx.rank}: rank {peer} left while mapping the shared-memory segments"
-                                + ("" if not got else f" (it sent {got!r} first)"), peer)
+        if not got:
+            raise PeerLostError(f"rank {self.ctx.rank}: rank {peer} left while mapping the shared-memory segments",
+                                peer)
+        if got != MAPPED:  # a peer of another hetccl version, or not hetccl's doorbell at all
+            raise ProtocolError(f"rank {self.ctx.rank}: rank {peer} sent {got!r} on the shared-memory doorbell, "
+                                f"where {MAPPED!r} (mapped) comes first; do all ranks run the same hetccl version?")
 
     async def connect(self, peers: dict[int, dict[str, Any]]) -> dict[int, Endpoint]:
         ctx = self.ctx
