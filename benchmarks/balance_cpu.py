@@ -3,7 +3,9 @@
 Runs examples/train_balanced.py under torchrun through hetccl, interleaving the variants repetition by
 repetition, and prints a Markdown table of median samples/s:
 
-- each island alone (one rank, the fast one and the slowed one), their sum;
+- each island alone (one rank, the fast one and the slowed one), their sum, and both alone at the same time (two
+  jobs that share the machine's memory bandwidth and caches as the two ranks of one job do: the ceiling that
+  contention leaves, beside the sum of the solo runs);
 - two ranks, one of them `--slow-factor` times slower per sample: DDP as most scripts run it (DistributedSampler,
   `plain`), the equal split through the balancer, and `auto`;
 - two ranks of equal speed: plain against auto (what auto costs when there is nothing to balance);
@@ -35,14 +37,35 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_balanced.py"
 
 
-def run(n: int, extra: list[str], out: Path, timeout: float) -> dict:
+def _command(n: int, extra: list[str], out: Path) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(EXAMPLE),
            "--json", str(out), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return cmd, env
+
+
+def run(n: int, extra: list[str], out: Path, timeout: float) -> dict:
+    return run_together([(n, extra)], [out], timeout)[0]
+
+
+def run_together(jobs: list[tuple[int, list[str]]], outs: list[Path], timeout: float) -> list[dict]:
+    """The jobs at once (each its own torchrun), their JSONs; a failure or the timeout ends all of them."""
+    procs = []
+    try:
+        for (n, extra), out in zip(jobs, outs, strict=True):
+            cmd, env = _command(n, extra, out)
+            procs.append((cmd, subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)))
+        for cmd, proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            if proc.returncode:
+                raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def recovery(steps: list[float], batch: int, at: int, ideal: float, window: int = 5) -> int | None:
@@ -97,6 +120,7 @@ def main() -> None:
     if args.drift_steps <= 0:  # --drift-steps 0: no drift job
         jobs.pop("drift", None)
     got: dict[str, list[dict]] = {k: [] for k in jobs}
+    together: list[float] = []  # the two islands alone, run at once: what the machine gives them side by side
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,6 +133,13 @@ def main() -> None:
                     (Path(args.keep) / f"{rep}-{slug}.json").write_text(json.dumps(res, indent=1))
                 print(f"# rep {rep} {name}: {res['samples_per_s']:.0f} samples/s, shares "
                       f"{res['shares'][-1]['shares']}", file=sys.stderr)
+                if name == "slowed island alone":  # and both islands alone at the same time, sharing the machine
+                    both = run_together([jobs["fast island alone"], jobs["slowed island alone"]],
+                                        [Path(tmp) / f"{rep}-a.json", Path(tmp) / f"{rep}-b.json"], args.timeout)
+                    rates = [r["samples_per_s"] for r in both]
+                    together.append(sum(rates))
+                    print(f"# rep {rep} both alone at once: {sum(rates):.0f} samples/s ({rates[0]:.0f} + "
+                          f"{rates[1]:.0f})", file=sys.stderr)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in got.items()}
     batch = got["slowed: auto"][0]["args"]["global_batch"]
     print(f"# {datetime.date.today()}, {os.cpu_count()} CPUs; python benchmarks/balance_cpu.py "
@@ -121,10 +152,13 @@ def main() -> None:
     print(f"| {'CPU island alone' if args.gpu else f'slowed island alone (x{f})'} | "
           f"{med['slowed island alone']:.0f} | |")
     print(f"| sum of the two | {solo:.0f} | |")
+    at_once = statistics.median(together)
+    print(f"| both alone at once (two jobs sharing the machine) | {at_once:.0f} | {at_once / solo:.2f}x the sum |")
     eq = med["slowed: equal split"]
     for k in ("slowed: plain DDP", "slowed: equal split", "slowed: auto"):
         shown = k.replace("slowed: ", "GPU + CPU: ") if args.gpu else k
-        print(f"| {shown} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum |")
+        print(f"| {shown} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum, "
+              f"{med[k] / at_once:.2f}x both at once |")
     if args.gpu:
         return
     pl = med["equal speeds: plain DDP"]
