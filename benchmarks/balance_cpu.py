@@ -164,6 +164,8 @@ def main() -> None:
     pl = med["equal speeds: plain DDP"]
     for k in ("equal speeds: plain DDP", "equal speeds: equal split", "equal speeds: auto"):
         print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain |")
+    if "drift" not in got:
+        return
     ideal = med["slowed: auto"]
     rec = [recovery(r["step_seconds"], batch, args.drift_at, ideal) for r in got["drift"]]
     shares = [r["shares"][-1]["shares"] for r in got["drift"]]
