@@ -271,9 +271,11 @@ class Communicator(Group):
                 op = parse_op(arg(2, "op", "sum"))
         return bufs, root, op
 
-    def enqueue_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any], stream: Any) -> Any:
+    def enqueue_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any], stream: Any,
+                        early: Any = None) -> Any:
         """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
-        the methods take them) whose device side the calling thread enqueues on `stream` now; returns the
+        the methods take them) whose device side the calling thread enqueues on `stream` now (its copies out of
+        the caller's data on `early`, where given: hierarchical.enqueue_ordered); returns the
         coroutine of its host side, to run on hetccl's loop (the stream waits for it: gpu/streamorder.py), or
         None where the loop must do it all (one island, host memory, layouts that hierarchical.enqueue_ordered
         leaves to the loop). Run `ordered_setup`'s coroutine first."""
@@ -286,7 +288,7 @@ class Communicator(Group):
         bufs, root, op = self._device_call(name, args, kwargs)
         for b in bufs:
             check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
-        return hierarchical.enqueue_ordered(self, name, _ORDERED_ARGS[name](bufs, root, op), stream)
+        return hierarchical.enqueue_ordered(self, name, _ORDERED_ARGS[name](bufs, root, op), stream, early)
 
     def ordered_setup(self, device: int) -> Any:
         """The coroutine to run on the loop, with no ordered collective in flight, before the first ordered

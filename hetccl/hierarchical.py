@@ -529,10 +529,11 @@ class Ordered(NamedTuple):
     host_first: bool
 
 
-def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any) -> Ordered | None:
+def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any, early: Any = None) -> Ordered | None:
     """From the caller's thread: plan collective `name` (a SCHEDULES entry, checked arguments as they take
-    them) on `stream`: its Ordered parts. None where this layout or device cannot (then the loop does it all:
-    decided from the layout and the call alone, so on every rank alike)."""
+    them) on `stream`: its Ordered parts. `early`, a stream that waits for the caller's but not for `stream`,
+    may take the copies out of the caller's data (streamorder.Stage.to_host). None where this layout or device
+    cannot (then the loop does it all: decided from the layout and the call alone, so on every rank alike)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
     if plan is None or lay is None or lay.single:
@@ -551,7 +552,7 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any)
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
         if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None:
             return _link_ordered(group, name, lay.link, words, stream, args)
-    island = _Island(group, lay, bufs[0].device, stream)
+    island = _Island(group, lay, bufs[0].device, stream, early)
     stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
     return Ordered(_host_side(group, name, stage, body, fingerprint), island.enqueue,
                    lambda: stage is not None and stage.finish(False), island.comm is not None)
@@ -627,9 +628,12 @@ class _Island:
     """This rank's island step on the caller's stream: its vendor CCL's collectives enqueued from the caller's
     thread (none for an island of one rank), and scratch for that stream."""
 
-    def __init__(self, group: Group, lay: Layout, device: int, stream: Any):
+    def __init__(self, group: Group, lay: Layout, device: int, stream: Any, early: Any = None):
         self.comm = lay.island_comm if len(lay.my_members) > 1 else None  # (a split of one rank does nothing)
         self.stream = stream
+        # copies out of the caller's data may go on `early` (streamorder.Stage.to_host) where no island step
+        # comes first (an island's vendor collectives stay on one stream, in issue order)
+        self.early = early if self.comm is None else None
         self.leader = group.rank == lay.my_members[0]
         self.index = lay.my_members.index(group.rank)
         self.vc = None
@@ -642,6 +646,10 @@ class _Island:
 
     def later(self, fn: Callable[[], None]) -> None:
         self._queue.append(fn)
+
+    def stage(self, words: Any, nbytes: int) -> Any:
+        """A pinned copy's Stage on this island's streams."""
+        return streamorder.Stage(words, self.stream, nbytes, self.later, self.early)
 
     def run(self, name: str, t: Any, root: int = 0, op: ReduceOp = ReduceOp.SUM, inp: Any = None) -> None:
         """Later: the island's vendor collective `name` on the stream."""
@@ -710,9 +718,9 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     if isl.leader and _gpu_leaders(lay) and (b.nbytes > staging.SMALL_BYTES or wire):
         stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop, wire)
     elif isl.leader:
-        stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
+        stage = isl.stage(words, b.nbytes)
         pieces = streamorder.contiguous(0, _chunks(b.count, b.dtype.itemsize))
-        stage.to_host(t, pieces)
+        stage.to_host(t, pieces, early=True)
         stage.from_host(t, pieces)
         stage.seal()
         host = _host(stage, b, 0, b.count)
@@ -750,8 +758,9 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     if packed is not None:
         src = isl.empty_like(flat.view(torch_mod().uint8), packed.total)
         isl.later(lambda: packed.pack(src, flat))
-    stage = streamorder.Stage(words, stream, k * sum(sizes), isl.later)
-    stage.to_host(src, [[(at, k * at + me * size, size)] for at, size in zip(starts, sizes, strict=True)])
+    stage = isl.stage(words, k * sum(sizes))
+    stage.to_host(src, [[(at, k * at + me * size, size)] for at, size in zip(starts, sizes, strict=True)],
+                  early=packed is None)
     scratch = isl.empty_like(flat.view(torch_mod().uint8), k * max(sizes))  # reused: the stream is in order
 
     def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
@@ -828,8 +837,10 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
         stage, body = _plan_packed_all_gather(group, lay, isl, words, stream, every,
                                               every[lay.mine * block:(lay.mine + 1) * block], wire)
     elif isl.leader:
-        stage = streamorder.Stage(words, stream, every.numel() * isz, isl.later)
-        stage.to_host(mine, streamorder.contiguous(lo * isz, [(0, mine.numel() * isz)]))
+        stage = isl.stage(words, every.numel() * isz)
+        # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
+        src = mine if isl.comm is not None else t
+        stage.to_host(src, streamorder.contiguous(lo * isz, [(0, mine.numel() * isz)]), early=True)
         stage.from_host(every, streamorder.contiguous(0, [(0, every.numel() * isz)]))
         stage.seal()
         whole = Buf(stage.host[:every.numel() * isz], out.dtype, every.numel())
@@ -876,8 +887,8 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
         stage, body = _plan_packed_reduce_scatter(group, lay, isl, words, stream, region, acc, inner, wire)
     elif isl.leader:
         nb = acc.numel() * isz
-        stage = streamorder.Stage(words, stream, nb + blk * isz, isl.later)
-        stage.to_host(acc, streamorder.contiguous(0, [(0, nb)]))
+        stage = isl.stage(words, nb + blk * isz)
+        stage.to_host(acc, streamorder.contiguous(0, [(0, nb)]), early=not scratch)
         stage.from_host(region, streamorder.contiguous(nb, [(0, blk * isz)]))
         stage.seal()
         whole = Buf(stage.host[:nb], out.dtype, acc.numel())
@@ -929,7 +940,7 @@ def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any,
             at = (i * n + j) * slot
             every[j * kk + a:j * kk + b].copy_(codec.unpack(got[at:at + codec.wire_size(b - a, wire)], b - a, wire))
 
-    stage = streamorder.Stage(words, stream, m * slot + m * n * slot, isl.later)
+    stage = isl.stage(words, m * slot + m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * slot, (i + 1) * slot) for i in range(m)]))
     stage.from_host(got, [[(i * n * slot, m * slot + i * n * slot, n * slot)] for i in range(m)], then=unpack)
     stage.seal()
@@ -973,7 +984,7 @@ def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: 
             else:
                 reduce_inplace(dst, vals, op)
 
-    stage = streamorder.Stage(words, stream, 2 * m * n * slot, isl.later)
+    stage = isl.stage(words, 2 * m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * n * slot, (i + 1) * n * slot) for i in range(m)]))
     stage.from_host(got, [[(i * n * slot, (m + i) * n * slot, n * slot)] for i in range(m)], then=reduce)
     stage.seal()
@@ -998,10 +1009,10 @@ def _plan_broadcast(group: Group, lay: Layout, isl: _Island, words: Any, stream:
         isl.run("broadcast", t, lay.my_members.index(root))
     stage = body = None
     if isl.leader:
-        stage = streamorder.Stage(words, stream, b.nbytes, isl.later)
+        stage = isl.stage(words, b.nbytes)
         whole = streamorder.contiguous(0, [(0, b.nbytes)])
         if mine:
-            stage.to_host(t, whole)
+            stage.to_host(t, whole, early=True)
         else:
             stage.from_host(t, whole)
         stage.seal()

@@ -823,6 +823,22 @@ def case_inflight() -> None:
         for t, want, what in checks:
             want = want if isinstance(want, torch.Tensor) else torch.full_like(t, want)
             _eq(t, want, what)
+    # collectives in flight that read what an earlier one in flight writes, no wait between them: each must see
+    # the earlier result (a collective's copies out may run early on the GPU, beside the ones before it, only
+    # where they read nothing those write)
+    s = n * (n + 1) // 2
+    for c in (1000, 2_500_000):
+        t = torch.full((c,), float(r + 1))
+        chain = [dist.all_reduce(t, async_op=True) for _ in range(3)]
+        g = torch.zeros(n * c)
+        chain.append(ALL_GATHER_TENSOR(g, t, async_op=True))
+        o = torch.zeros(c // n)
+        chain.append(REDUCE_SCATTER_TENSOR(o, t[:n * (c // n)], async_op=True))
+        for w in chain:
+            w.wait()
+        _eq(t, torch.full_like(t, float(s * n * n)), f"3 all_reduces of one tensor in flight ({c})")
+        _eq(g, torch.full_like(g, float(s * n * n)), f"all_gather of an all_reduce in flight ({c})")
+        _eq(o, torch.full_like(o, float(s * n ** 3)), f"reduce_scatter of an all_reduce in flight ({c})")
     dist.barrier()
     dist.destroy_process_group()
 

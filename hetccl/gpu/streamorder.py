@@ -8,6 +8,11 @@ stream at once, and hetccl's loop thread does the host side touching only host m
                       wait until word b0 -> H2D piece 0 ... wait until word bk -> H2D piece k, write word c
     loop thread:      for each piece: wait for word a_i (a plain load), the host collective, store word b_i
 
+(The "caller's stream" is the torch backend's collective stream, which waits for the caller's. Where the copies
+to the host read the caller's data untouched by this collective, they may go on a second, early stream: then a
+collective's copies out run while the one before it still waits for its host step, as with the loop's separate
+copy streams, and its end word follows them.)
+
 The words are 32-bit, in host memory mapped for the GPU (stream memory operations, bindings/streamops.py).
 Why the loop thread makes no CUDA call at all: with lazy module loading (CUDA's default), the first launch of
 a kernel takes the context's lock and waits for the GPU to drain; a held stream drains only when the loop
@@ -285,21 +290,29 @@ class Stage:
     once and hands what it enqueues to `later`, so that the host side may start before the device side is
     enqueued."""
 
-    def __init__(self, words: Words, stream: Any, nbytes: int, later: Callable[[Callable[[], None]], None]):
+    def __init__(self, words: Words, stream: Any, nbytes: int, later: Callable[[Callable[[], None]], None],
+                 early: Any = None):
         self.words, self.stream = words, stream
+        self.early = early  # a stream for the copies to the host of data as the caller's stream left it (to_host)
+        self._early_used = False
         self._buf = words.pinned(nbytes)
         self.host = self._buf.array[:nbytes]
         self._arrivals: list[tuple[int, int]] = []
         self._releases: list[tuple[int, int]] = []
         self._later = later
 
-    def to_host(self, src: Any, pieces: list[list[Copy]]) -> None:
-        """The copies of each piece from the contiguous device tensor src to the pinned buffer, then its word."""
+    def to_host(self, src: Any, pieces: list[list[Copy]], early: bool = False) -> None:
+        """The copies of each piece from the contiguous device tensor src to the pinned buffer, then its word.
+        early: src is the caller's data as its stream leaves it (nothing of this collective enqueued before
+        writes it), so the copies may run on the early stream, beside the collective stream's earlier
+        collectives still waiting for their host steps, instead of behind them."""
         words = self.words.take(len(pieces))
         self._arrivals += words
+        on = self.early if early and self.early is not None else self.stream
+        self._early_used |= on is not self.stream
 
         def enqueue() -> None:  # copies by address: no torch dispatch per piece (not measurably faster on an H100)
-            ops, stream, host, dev = self.words.ops, self.stream.cuda_stream, self._buf.ptr, src.data_ptr()
+            ops, stream, host, dev = self.words.ops, on.cuda_stream, self._buf.ptr, src.data_ptr()
             for piece, w in zip(pieces, words, strict=True):
                 for d, h, nb in piece:
                     ops.copy(host + h, dev + d, nb, stream)
@@ -326,7 +339,13 @@ class Stage:
         """The stream's last use of the pinned buffer: it is free once the stream passes here."""
         end = self.words.take(1)[0]
         self._buf.end = end
-        self._later(lambda: self.words.signal(self.stream.cuda_stream, end))
+        early = self.early if self._early_used else None
+
+        def enqueue() -> None:
+            if early is not None:  # the end follows the early copies too, whatever the host side did
+                self.stream.wait_stream(early)
+            self.words.signal(self.stream.cuda_stream, end)
+        self._later(enqueue)
 
     async def arrived(self, i: int, deadline: float, what: str) -> None:
         loop = asyncio.get_running_loop()

@@ -50,6 +50,7 @@ _OPS = {
 _OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
 # the island lane's ops (hetccl's ReduceOp), by c10d's op kind; PREMUL_SUM is not here (the general path scales)
 _LANE_OPS = {kind: parse_op(name) for kind, name in _OPS_BY_TYPE.items()}
+_EARLY_TRACKED = 64  # collectives in flight whose writes _early_stream checks; past that, no early copies
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a stream handle without a Stream object
 
 
@@ -437,6 +438,8 @@ class HetcclBackend(dist.ProcessGroup):
         self._finished = 0
         self._lanes: dict[int, Any] = {}  # device index -> group.IslandLane (single GPU island)
         self._streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream ordered collectives run on
+        self._early: dict[int, torch.cuda.Stream] = {}  # device index -> the stream of their copies out (_early_stream)
+        self._writes: list[tuple[int, int, torch.cuda.Event]] = []  # in flight: storage [lo, hi) written, its end
         # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
         self.broken: BaseException | None = None
         self._kinds = _Kinds()
@@ -593,6 +596,25 @@ class HetcclBackend(dist.ProcessGroup):
             s = self._streams[device] = torch.cuda.Stream(device)
         return s
 
+    def _early_stream(self, device: int, reads: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
+        """The stream for this collective's copies out of the caller's data (streamorder.Stage.to_host): it
+        waits for the caller's stream but not for the collective stream, so that a collective's copies out run
+        while the ones before it wait for their host steps (DDP's next bucket, FSDP2's next layer), as the loop's
+        separate copy streams let them. None (the collective stream, in order) where it reads memory that a
+        collective still in flight writes: the collective stream alone orders those, as ProcessGroupNCCL's."""
+        self._writes = [w for w in self._writes if not w[2].query()]
+        if len(self._writes) > _EARLY_TRACKED:
+            return None
+        for t in reads:
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size()
+            if any(lo < w_hi and w_lo < hi for w_lo, w_hi, _ in self._writes):
+                return None
+        s = self._early.get(device)
+        if s is None:
+            s = self._early[device] = torch.cuda.Stream(device)
+        return s
+
     def _launch_ordered(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
                         after: Callable[[], None] | None, caller: Any, bufs: list[torch.Tensor]) -> Any | None:
         """The collective across islands ordered after the caller's stream (gpu/streamorder.py): this thread
@@ -614,7 +636,10 @@ class HetcclBackend(dist.ProcessGroup):
         try:
             with torch.cuda.device(stream.device_index):
                 stream.wait_stream(caller)  # before planning: the plan may enqueue island steps at once
-                planned = self._acomm.enqueue_ordered(name, args, kwargs, stream)
+                early = self._early_stream(stream.device_index, bufs)
+                if early is not None:
+                    early.wait_stream(caller)
+                planned = self._acomm.enqueue_ordered(name, args, kwargs, stream, early)
         except BaseException:
             self._kinds.leave("ordered")
             raise
@@ -671,6 +696,8 @@ class HetcclBackend(dist.ProcessGroup):
             end.record(stream)  # wait() on another stream also waits for the copies back
             for t in _tensors([bufs, result]):  # made on the caller's stream: not reused before this one is done
                 t.record_stream(stream)
+                storage = t.untyped_storage()
+                self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end))
         finally:
             if cf is None:  # the device side is enqueued: the peers and the stream need the host side
                 submit()
