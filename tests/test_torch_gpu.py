@@ -111,6 +111,18 @@ def test_two_islands_every_op(path, order):
     run_torchrun(2, "inflight", env=env, timeout=280)
 
 
+@needs_1
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", ["hosts", "shm"])
+def test_two_islands_early_copies(path):
+    """HETCCL_TORCH_EARLY_COPIES=1 (off by default until measured): ordered collectives' copies out on a second
+    stream. Every op, and many in flight, some reading what one before them still writes (case_inflight's chain),
+    every result checked."""
+    env = {**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_EARLY_COPIES": "1"}
+    run_torchrun(2, "ops", "float32", env=env, timeout=280)
+    run_torchrun(2, "inflight", env=env, timeout=280)
+
+
 @needs_2
 @pytest.mark.timeout(600)
 def test_one_island_in_flight_under_torchrun():

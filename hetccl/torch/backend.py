@@ -440,6 +440,7 @@ class HetcclBackend(dist.ProcessGroup):
         self._streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream ordered collectives run on
         self._early: dict[int, torch.cuda.Stream] = {}  # device index -> the stream of their copies out (_early_stream)
         self._writes: list[tuple[int, int, torch.cuda.Event]] = []  # in flight: storage [lo, hi) written, its end
+        self._early_copies = params.get("HETCCL_TORCH_EARLY_COPIES")
         # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
         self.broken: BaseException | None = None
         self._kinds = _Kinds()
@@ -602,6 +603,8 @@ class HetcclBackend(dist.ProcessGroup):
         while the ones before it wait for their host steps (DDP's next bucket, FSDP2's next layer), as the loop's
         separate copy streams let them. None (the collective stream, in order) where it reads memory that a
         collective still in flight writes: the collective stream alone orders those, as ProcessGroupNCCL's."""
+        if not self._early_copies:
+            return None
         self._writes = [w for w in self._writes if not w[2].query()]
         if len(self._writes) > _EARLY_TRACKED:
             return None
@@ -696,8 +699,9 @@ class HetcclBackend(dist.ProcessGroup):
             end.record(stream)  # wait() on another stream also waits for the copies back
             for t in _tensors([bufs, result]):  # made on the caller's stream: not reused before this one is done
                 t.record_stream(stream)
-                storage = t.untyped_storage()
-                self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end))
+                if self._early_copies:
+                    storage = t.untyped_storage()
+                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end))
         finally:
             if cf is None:  # the device side is enqueued: the peers and the stream need the host side
                 submit()
