@@ -189,6 +189,31 @@ def test_topo_shows_the_hosts():
     assert "4 rank(s), 2 host(s)" in proc.stdout and "/a " in proc.stdout and "/b " in proc.stdout, proc.stdout
 
 
+HOSTS_64 = [f"h{r // 8}" for r in range(64)]  # 8 hosts of 8 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_64_ranks_as_8_hosts_native():
+    """64 ranks as 8 hosts of 8 (shared memory inside a host, TCP between, the hierarchy's leaders): every
+    collective, send/recv and collectives in flight, each rank checking its fabric first (issue 32)."""
+    run_ranks(64, "workers:every_op", env={"HETCCL_HOST": ",".join(HOSTS_64), "HETCCL_TIMEOUT": "120"},
+              timeout=380, hosts=HOSTS_64, counts=[0, 1, 1000], dtypes=["float32", "int64"],
+              ops=["sum", "max"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_64_ranks_as_8_hosts_torch():
+    """The same 64 ranks under torchrun (`--nproc-per-node 64`, HETCCL_HOST indexed by LOCAL_RANK): each rank
+    checks its fabric, then every op of the torch backend on CPU tensors (issue 32)."""
+    pytest.importorskip("torch")
+    from test_torch_backend import run_torchrun
+
+    run_torchrun(64, "ops", "float32", env={"HETCCL_HOST": ",".join(HOSTS_64), "TEST_CHECK_HOSTS": ",".join(HOSTS_64),
+                                            "HETCCL_TIMEOUT": "120"}, timeout=380)
+
+
 @pytest.mark.timeout(150)
 def test_torch_backend_under_torchrun_on_two_hosts():
     """torchrun --standalone --nproc-per-node 4, every rank with HETCCL_HOST=a,a,b,b (the entry of its
