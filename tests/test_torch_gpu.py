@@ -96,30 +96,23 @@ PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK":
          "hosts": {"HETCCL_HOST": "h0,h1", "TEST_CHECK_HOSTS": "h0,h1"}}
 
 
+ORDERS = {"held": {"HETCCL_TORCH_STREAM_ORDER": "0"}, "stream": {}, "early": {"HETCCL_TORCH_EARLY_COPIES": "1"}}
+
+
 @needs_1
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("order", ["held", "stream"])
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path,order", [(p, o) for p in sorted(PATHS) for o in ("held", "stream")] +
+                         [(p, "early") for p in ("hosts", "shm", "tcp")])  # the link stages nothing
 def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
-    and mismatches seen with both GPUs visible), on each cross-island path (with one GPU both islands share it,
-    rank i on GPU i % count, as the three- and four-island tests do); "stream": the default stream order (ordered
-    collectives mixed with the ops the loop does on the device), "held": HETCCL_TORCH_STREAM_ORDER=0."""
-    env = {**TWO_ISLANDS, **PATHS[path], **({"HETCCL_TORCH_STREAM_ORDER": "0"} if order == "held" else {})}
+    and mismatches seen with both GPUs visible), some reading what one before them still writes, on each
+    cross-island path (with one GPU both islands share it, rank i on GPU i % count, as the three- and four-island
+    tests do); "stream": the default stream order (ordered collectives mixed with the ops the loop does on the
+    device), "held": HETCCL_TORCH_STREAM_ORDER=0, "early": HETCCL_TORCH_EARLY_COPIES=1 (the copies out of the
+    caller's data on a second stream; off by default until measured)."""
+    env = {**TWO_ISLANDS, **PATHS[path], **ORDERS[order]}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)
-    run_torchrun(2, "inflight", env=env, timeout=280)
-
-
-@needs_1
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", ["hosts", "shm"])
-def test_two_islands_early_copies(path):
-    """HETCCL_TORCH_EARLY_COPIES=1 (off by default until measured): ordered collectives' copies out on a second
-    stream. Every op, and many in flight, some reading what one before them still writes (case_inflight's chain),
-    every result checked."""
-    env = {**TWO_ISLANDS, **PATHS[path], "HETCCL_TORCH_EARLY_COPIES": "1"}
-    run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "inflight", env=env, timeout=280)
 
 
