@@ -13,10 +13,10 @@ Each variant is one `torchrun --standalone --nproc-per-node 2` job (environment:
 - "hetccl hosts" (hetccl): islands nvidia-0 / nvidia-1 and `HETCCL_HOST=h0,h1`: each rank its own host (TCP, or
   verbs where an RDMA device is active);
 - "hetccl link" (hetccl): islands nvidia-0 / nvidia-1 on one host: hetccl's zero-copy link between islands.
-- "hetccl hosts early": hosts with `HETCCL_TORCH_EARLY_COPIES=1` (copies out on a second stream);
+- "hetccl hosts late": hosts with `HETCCL_TORCH_EARLY_COPIES=0` (copies out behind the collectives before them);
 - "hetccl hosts held", "hetccl link held": the same with `HETCCL_TORCH_STREAM_ORDER=0`; "hetccl hosts bf16",
   "hetccl hosts fp8": hosts with `HETCCL_CROSS_COMPRESS`, and "hetccl hosts bf16 ef", "hetccl hosts fp8 ef" with
-  DDP's error feedback hook too (none of them run unless named in --variants).
+  DDP's error feedback hook too (the compressed ones run only when named in --variants).
 
 With `--device cpu` (a smoke test of the same code, CPU tensors) the anchor is `gloo` (loopback TCP), the islands are
 cpu-0 / cpu-1 ("hetccl link" then has no GPU link: the islands meet over shared memory), the model is smaller and the
@@ -118,9 +118,9 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
                              f"islands {islands}, HETCCL_HOST={hosts}: each rank its own host (the default: "
                              "collectives ordered on the caller's stream)"),
             "hetccl link": ("hetccl", {"TEST_ISLANDS": islands}, f"islands {islands}, {link} (ordered, the default)"),
-            "hetccl hosts early": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
-                                              "HETCCL_TORCH_EARLY_COPIES": "1"},
-                                   "hetccl hosts, HETCCL_TORCH_EARLY_COPIES=1: copies out on a second stream"),
+            "hetccl hosts late": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                             "HETCCL_TORCH_EARLY_COPIES": "0"},
+                                  "hetccl hosts, HETCCL_TORCH_EARLY_COPIES=0: copies out on the collective stream"),
             "hetccl hosts held": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
                                              "HETCCL_TORCH_STREAM_ORDER": "0"},
                                   "hetccl hosts, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
