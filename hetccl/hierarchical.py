@@ -388,8 +388,10 @@ async def _leaders_all_gather(group: Group, lay: Layout, v: _View, every: Any, m
             if own.data_ptr() != mine.data_ptr():
                 v.copy(own, mine)
             return await link.all_gather(every, v.stream, _deadline(group))
-        if wire:  # the host's compressed schedule, as the ordered schedule's host step runs it
-            return await staging.staged([o, i], [0], lambda h: compress.all_gather(leaders, h[0], h[1], wire, piece))
+        if wire:  # the ordered schedule's collectives (_plan_packed_all_gather), packed on the device
+            pieces, slot = _packed_pieces(lay, mine.numel(), every.element_size(), wire)
+            return await staging.packed_all_gather(leaders, every, mine, v.stream, _deadline(group), pieces, slot,
+                                                   wire)
         return await leaders.flat_device_ring_all_gather(o, i)
     await (compress.all_gather(leaders, o, i, wire, piece) if wire else leaders.flat_all_gather(o, i))
 
@@ -405,9 +407,10 @@ async def _leaders_reduce_scatter(group: Group, lay: Layout, v: _View, region: A
         link = await _zero_copy_link(group, lay, acc)
         if link is not None and link.ops is not None and getattr(link, "reduce_scatter", None) is not None:
             return await link.reduce_scatter(region, acc, op, v.stream, _deadline(group))
-        if wire:  # the host's compressed schedule, as the ordered schedule's host step runs it
-            return await staging.staged([o, i], [0],
-                                        lambda h: compress.reduce_scatter(leaders, h[0], h[1], op, wire, piece))
+        if wire:  # the ordered schedule's collectives (_plan_packed_reduce_scatter), packed on the device
+            pieces, slot = _packed_pieces(lay, region.numel(), region.element_size(), wire)
+            return await staging.packed_reduce_scatter(leaders, region, acc, op, v.stream, _deadline(group), pieces,
+                                                       slot, wire)
         return await leaders.flat_device_ring_reduce_scatter(o, i, op)
     await (compress.reduce_scatter(leaders, o, i, op, wire, piece) if wire
            else leaders.flat_reduce_scatter(o, i, op))
@@ -926,19 +929,10 @@ def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any,
     u8 = torch_mod().uint8
     sent = isl.empty_like(every.view(u8), m * slot)
     got = isl.empty_like(every.view(u8), m * n * slot)
-
-    def pack() -> None:
-        for i, (a, b) in enumerate(pieces):
-            used = codec.wire_size(b - a, wire)
-            codec.pack(sent[i * slot:i * slot + used], own[a:b], wire)
-            sent[i * slot + used:(i + 1) * slot].zero_()  # a short last piece's unused bytes cross as zeros
-    isl.later(pack)
+    isl.later(lambda: codec.pack_pieces(sent, own, pieces, slot, 1, 0, wire))
 
     def unpack(i: int) -> None:
-        a, b = pieces[i]
-        for j in range(n):
-            at = (i * n + j) * slot
-            every[j * kk + a:j * kk + b].copy_(codec.unpack(got[at:at + codec.wire_size(b - a, wire)], b - a, wire))
+        codec.unpack_piece(every, got, pieces, slot, n, kk, i, wire)
 
     stage = isl.stage(words, m * slot + m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * slot, (i + 1) * slot) for i in range(m)]))
@@ -963,26 +957,10 @@ def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: 
     u8 = torch_mod().uint8
     sent = isl.empty_like(region.view(u8), m * n * slot)
     got = isl.empty_like(region.view(u8), m * n * slot)
-
-    def pack() -> None:
-        for i, (a, b) in enumerate(pieces):
-            used = codec.wire_size(b - a, wire)
-            for j in range(n):
-                at = (i * n + j) * slot
-                codec.pack(sent[at:at + used], acc[j * kk + a:j * kk + b], wire)
-                sent[at + used:at + slot].zero_()  # a short last piece's unused bytes cross as zeros
-    isl.later(pack)
+    isl.later(lambda: codec.pack_pieces(sent, acc, pieces, slot, n, kk, wire))
 
     def reduce(i: int) -> None:
-        a, b = pieces[i]
-        dst = region[a:b]
-        for j in range(n):
-            at = (i * n + j) * slot
-            vals = codec.unpack(got[at:at + codec.wire_size(b - a, wire)], b - a, wire).to(dst.dtype)
-            if j == 0:
-                dst.copy_(vals)
-            else:
-                reduce_inplace(dst, vals, op)
+        codec.reduce_piece(region, got, pieces, slot, n, i, wire, lambda d, s: reduce_inplace(d, s, op))
 
     stage = isl.stage(words, 2 * m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * n * slot, (i + 1) * n * slot) for i in range(m)]))

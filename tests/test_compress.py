@@ -133,3 +133,59 @@ def test_the_device_codec_packs_the_host_codecs_bytes(wire: int) -> None:
             host = compress.round_trip(Buf(x.view(np.uint8), DType.FLOAT32, n), wire,
                                        [(a * 4, z * 4) for a, z in pieces], k).view(np.float32)
             np.testing.assert_array_equal(codec.round_trip(torch.from_numpy(x), wire, pieces, k).numpy(), host)
+
+
+@pytest.mark.parametrize("wire", [BF16, FP8])
+def test_device_pieces_cross_as_the_host_schedule_packs_them(wire: int) -> None:
+    """The GPU leaders' all_gather and reduce_scatter pieces (codec.pack_pieces, unpack_piece, reduce_piece: the
+    ordered and the loop schedule's, run here on CPU tensors) against the host's codec slot for slot: 3 leaders,
+    a block of 2,500 in pieces of 1,000 (a short last piece), the exchanges done by hand (all_gather: slot i*n+j
+    is leader j's piece i; all_to_all: leader r gets slot i*n+r of each leader j)."""
+    torch = pytest.importorskip("torch")
+    from hetccl import compress
+    from hetccl.gpu import codec
+
+    n, kk = 3, 2500
+    pieces, slot = compress.piece_slots(kk, 1000, wire)
+    m = len(pieces)
+    rng = np.random.default_rng(wire)
+    # leader j's input, its magnitude changing every 300 values: the pieces' fp8 scales are not the whole block's
+    blocks = [(rng.standard_normal(n * kk) * np.repeat(2.0 ** rng.integers(-20, 20, n * kk // 300 + 1), 300)[:n * kk]
+               ).astype(np.float32) for _ in range(n)]
+
+    def host_packed(x: np.ndarray) -> np.ndarray:
+        out = np.zeros(native.wire_size(len(x), wire), np.uint8)
+        native.pack(out, np.ascontiguousarray(x), len(x), DType.FLOAT32, wire)
+        return out
+
+    def host_back(x: np.ndarray) -> np.ndarray:  # a block as its pieces cross
+        return np.concatenate([_round_trip(np.ascontiguousarray(x[a:b]), DType.FLOAT32, wire) for a, b in pieces])
+
+    # all_gather of each leader's first block
+    sent = [torch.full((m * slot,), 7, dtype=torch.uint8) for _ in range(n)]
+    for j in range(n):
+        codec.pack_pieces(sent[j], torch.from_numpy(blocks[j][:kk]), pieces, slot, 1, 0, wire)
+        for i, (a, b) in enumerate(pieces):
+            got = sent[j][i * slot:(i + 1) * slot].numpy()
+            want = host_packed(blocks[j][a:b])
+            np.testing.assert_array_equal(got[:len(want)], want)
+            assert not got[len(want):].any(), "a short piece's unused bytes cross as zeros"
+    gathered = torch.cat([sent[j][i * slot:(i + 1) * slot] for i in range(m) for j in range(n)])
+    every = torch.empty(n * kk)
+    for i in range(m):
+        codec.unpack_piece(every, gathered, pieces, slot, n, kk, i, wire)
+    np.testing.assert_array_equal(every.numpy(), np.concatenate([host_back(blocks[j][:kk]) for j in range(n)]))
+
+    # reduce_scatter: leader r keeps the sum of every leader's block r, reduced in leader order
+    sent = [torch.empty(m * n * slot, dtype=torch.uint8) for _ in range(n)]
+    for j in range(n):
+        codec.pack_pieces(sent[j], torch.from_numpy(blocks[j]), pieces, slot, n, kk, wire)
+    for r in range(n):
+        got = torch.cat([sent[j][(i * n + r) * slot:(i * n + r + 1) * slot] for i in range(m) for j in range(n)])
+        region = torch.empty(kk)
+        for i in range(m):
+            codec.reduce_piece(region, got, pieces, slot, n, i, wire, torch.Tensor.add_)
+        want = host_back(blocks[0][r * kk:(r + 1) * kk])
+        for j in range(1, n):
+            want = want + host_back(blocks[j][r * kk:(r + 1) * kk])
+        np.testing.assert_array_equal(region.numpy(), want)

@@ -68,6 +68,19 @@ def unpack(src: Any, count: int, wire: int) -> Any:
     return (vals.view(groups, FP8_GROUP) * scale[:, None]).view(-1)[:count]
 
 
+def pack_slot(dst: Any, src: Any, wire: int) -> None:
+    """src packed at the start of dst (a slot of the host's compressed all_gather or reduce_scatter, which may
+    be longer than src packed), the rest zeroed: a short last piece's unused bytes cross as zeros."""
+    used = wire_size(src.numel(), wire)
+    pack(dst[:used], src, wire)
+    dst[used:].zero_()
+
+
+def unpack_slot(src: Any, count: int, wire: int) -> Any:
+    """The `count` values packed at the start of slot src (unpack)."""
+    return unpack(src[:wire_size(count, wire)], count, wire)
+
+
 def _segments(count: int, wire: int, blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(first value, end, byte offset) of each packed segment of `count` values split in `blocks` (fp8's groups
     restart at each block, as the host codec packs block by block): one segment where that changes nothing."""
@@ -147,3 +160,39 @@ class LeaderChunks:
                 dst.copy_(got)
             else:
                 reduce_inplace(dst, got.to(dst.dtype), op)
+
+
+def pack_pieces(sent: Any, src: Any, pieces: list[tuple[int, int]], slot: int, n: int, block: int,
+                wire: int) -> None:
+    """The send side of the host's compressed all_gather (n = 1) and reduce_scatter (n blocks of `block`
+    elements, one per leader) on the device: piece i of block j packed into slot i * n + j of `sent`."""
+    for i, (a, b) in enumerate(pieces):
+        for j in range(n):
+            at = (i * n + j) * slot
+            pack_slot(sent[at:at + slot], src[j * block + a:j * block + b], wire)
+
+
+def unpack_piece(every: Any, got: Any, pieces: list[tuple[int, int]], slot: int, n: int, block: int, i: int,
+                 wire: int) -> None:
+    """Piece i of every leader's block (slots i * n + j of `got`) unpacked into `every` (n blocks of `block`
+    elements): an all_gather's receive side, this leader's own block too, so that every leader holds the same
+    bits."""
+    a, b = pieces[i]
+    for j in range(n):
+        at = (i * n + j) * slot
+        every[j * block + a:j * block + b].copy_(unpack_slot(got[at:at + slot], b - a, wire))
+
+
+def reduce_piece(region: Any, got: Any, pieces: list[tuple[int, int]], slot: int, n: int, i: int, wire: int,
+                 reduce: Any) -> None:
+    """Piece i of this leader's block, as each leader packed it (slots i * n + j of `got`), reduced into
+    `region` in leader order (reduce(dst, src) in place): a reduce_scatter's receive side."""
+    a, b = pieces[i]
+    dst = region[a:b]
+    for j in range(n):
+        at = (i * n + j) * slot
+        vals = unpack_slot(got[at:at + slot], b - a, wire).to(dst.dtype)
+        if j == 0:
+            dst.copy_(vals)
+        else:
+            reduce(dst, vals)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from .. import params
 from ..dtypes import Buf, DType, ReduceOp, as_buf
 from ..errors import CollectiveTimeout
+from . import codec
 from .buffers import DeviceBuf
 from .codec import LeaderChunks
 from .runtime import as_tensor, copy_streams, lease, reduce_inplace, stream_of, torch_mod, use_device, wait_event
@@ -49,6 +50,8 @@ class Leaders(Protocol):
     async def flat_all_reduce(self, buf: Buf, op: ReduceOp) -> None: ...
 
     async def flat_all_gather(self, out: Buf, inp: Buf) -> None: ...
+
+    async def flat_all_to_all(self, out: Buf, inp: Buf) -> None: ...
 
 
 async def small_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float) -> None:
@@ -99,6 +102,68 @@ async def packed_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any,
             back.copy_(host, non_blocking=True)
             for j, at in enumerate(chunks.starts):
                 chunks.reduce(j, flat, back[k * at:k * (at + chunks.sizes[j])], op, reduce_inplace)
+            done = torch.cuda.Event()
+            done.record(stream)
+        await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
+
+
+async def packed_all_gather(leaders: Leaders, every: Any, own: Any, stream: Any, deadline: float,
+                            pieces: list[tuple[int, int]], slot: int, wire: int) -> None:
+    """all_gather of device blocks `own` into `every` among GPU leaders with a compressed wire, the same
+    collectives as the ordered schedule's (per piece, one all_gather of packed slots, in piece order): the
+    stream packs every piece, the packed bytes cross through pinned memory, and the stream unpacks every
+    leader's block, this leader's too."""
+    n, m, kk = leaders.size, len(pieces), own.numel()
+    await _packed_exchange(leaders, every.device, stream, deadline, m * slot, m * n * slot,
+                           lambda sent: codec.pack_pieces(sent, own, pieces, slot, 1, 0, wire),
+                           lambda i, sent, got: leaders.flat_all_gather(Buf(got[i * n * slot:(i + 1) * n * slot],
+                                                                            DType.UINT8, n * slot),
+                                                                        Buf(sent[i * slot:(i + 1) * slot],
+                                                                            DType.UINT8, slot)),
+                           m, lambda got: [codec.unpack_piece(every, got, pieces, slot, n, kk, i, wire)
+                                           for i in range(m)])
+
+
+async def packed_reduce_scatter(leaders: Leaders, region: Any, acc: Any, op: ReduceOp, stream: Any, deadline: float,
+                                pieces: list[tuple[int, int]], slot: int, wire: int) -> None:
+    """reduce_scatter of device tensor `acc` (a block of region's size per leader) into `region` among GPU
+    leaders with a compressed wire, the same collectives as the ordered schedule's (per piece, one all_to_all
+    of every leader's packed blocks): packed on the stream, crossed through pinned memory, reduced on the
+    stream in leader order."""
+    n, m, kk = leaders.size, len(pieces), region.numel()
+    await _packed_exchange(leaders, region.device, stream, deadline, m * n * slot, m * n * slot,
+                           lambda sent: codec.pack_pieces(sent, acc, pieces, slot, n, kk, wire),
+                           lambda i, sent, got: leaders.flat_all_to_all(Buf(got[i * n * slot:(i + 1) * n * slot],
+                                                                            DType.UINT8, n * slot),
+                                                                        Buf(sent[i * n * slot:(i + 1) * n * slot],
+                                                                            DType.UINT8, n * slot)),
+                           m, lambda got: [codec.reduce_piece(region, got, pieces, slot, n, i, wire,
+                                                              lambda d, s: reduce_inplace(d, s, op))
+                                           for i in range(m)])
+
+
+async def _packed_exchange(leaders: Leaders, device: Any, stream: Any, deadline: float, sent_bytes: int,
+                           got_bytes: int, pack: Callable[[Any], None],
+                           collective: Callable[[int, Any, Any], Awaitable[None]], count: int,
+                           unpack: Callable[[Any], Any]) -> None:
+    """Packed on the stream into device scratch, one copy to pinned memory, `count` host collectives in order
+    (each from the pinned send bytes to the pinned receive bytes), one copy back, unpacked on the stream."""
+    torch = torch_mod()
+    with lease("pinned", device, sent_bytes + got_bytes, 1) as pinned, \
+            lease("device", device, sent_bytes + got_bytes, 1) as scratch:
+        host, dev = pinned[0], scratch[0]
+        with torch.cuda.stream(stream):
+            pack(dev[:sent_bytes])
+            host[:sent_bytes].copy_(dev[:sent_bytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        await wait_event(copied, deadline, "device-to-host staging")
+        arr = host.numpy()
+        for i in range(count):
+            await collective(i, arr[:sent_bytes], arr[sent_bytes:])
+        with torch.cuda.stream(stream):
+            dev[sent_bytes:].copy_(host[sent_bytes:], non_blocking=True)
+            unpack(dev[sent_bytes:])
             done = torch.cuda.Event()
             done.record(stream)
         await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
