@@ -27,6 +27,26 @@ def test_solve_minimises_the_slowest_rank() -> None:
         balance.solve([(0.0, 1.0)] * 2, 64, [10, 10])
 
 
+def test_a_memory_cap_never_rises() -> None:
+    """Rank 0's choice of memory caps, for two ranks (the rows they send: rank 0's peak = m0 + m1 b of a
+    limit, rank 1 without a gauge): a fit that allows 36 samples caps rank 0 at 36; a later fit that allows
+    more (a refit on peaks at the cap itself), or none (the peaks window then holds one batch size only), keeps
+    36, as the reason says."""
+    bal = balance.Balancer(64, "auto", memory=None)  # one process: rank 0's side of a world of two, below
+    bal.caps = [64, 64]
+    mib = float(1 << 20)
+
+    def rank0_cap(m0: float, m1: float) -> tuple[int, str]:
+        caps, why = bal._memory_caps([[0.0] * 7 + [m0, m1, 100 * mib], [0.0] * 10])
+        return caps[0], why
+
+    assert rank0_cap(54 * mib, mib) == (36, "; memory: rank 0 at most 36 samples (54 MiB + 1024.0 KiB/sample of "
+                                            "100 MiB)")  # (0.9 * 100 - 54) / 1
+    assert rank0_cap(50 * mib, mib)[0] == 36
+    assert rank0_cap(0.0, 0.0)[0] == 36
+    assert rank0_cap(60 * mib, mib)[0] == 30  # lower: taken
+
+
 def test_global_batches_are_one_process_batches() -> None:
     import torch
 

@@ -374,6 +374,10 @@ class Balancer:
         self._calibrated = False
         self._last_check = 0
         self.caps = [self.cap] * self.world
+        # rank 0: the lowest cap each rank's memory fit has set; kept, for a later fit may miss it (once a rank
+        # sits at its cap, its peaks window holds one batch size only) or creep above it (a refit on peaks at
+        # the cap itself, a few per cent over each time)
+        self._memory_held: dict[int, tuple[int, str]] = {}
         self._before_probe = list(self.shares)
         self._timer: _StepTimer | None = None
         self._seen = 0  # forwards timed (the first `warmup` are not recorded)
@@ -551,16 +555,21 @@ class Balancer:
 
     def _memory_caps(self, rows: list[list[float]]) -> tuple[list[int], str]:
         """The ranks' caps (given), lowered where a rank's measured peak memory, fitted as m0 + m1 b, would pass
-        MEMORY_HEADROOM of what it may use; and what that held back, for the decision's reason."""
-        caps, held = list(self.caps), []
+        MEMORY_HEADROOM of what it may use, or where an earlier fit did (_memory_held: a memory cap never rises);
+        and what that held back, for the decision's reason."""
+        caps = list(self.caps)
         for i, r in enumerate(rows):
             m0, m1, limit = r[7], r[8], r[9]
             if limit > 0 and m1 > 0:
                 fits = max(0, int((MEMORY_HEADROOM * limit - m0) // m1))
-                if fits < caps[i]:
-                    caps[i] = fits
-                    held.append(f"rank {i} at most {fits} samples ({m0 / 2**20:.0f} MiB + "
-                                f"{m1 / 2**10:.1f} KiB/sample of {limit / 2**20:.0f} MiB)")
+                if fits < self._memory_held.get(i, (caps[i], ""))[0]:
+                    self._memory_held[i] = (fits, f"rank {i} at most {fits} samples ({m0 / 2**20:.0f} MiB + "
+                                                  f"{m1 / 2**10:.1f} KiB/sample of {limit / 2**20:.0f} MiB)")
+        held = []
+        for i, (fits, why) in sorted(self._memory_held.items()):
+            if fits < caps[i]:
+                caps[i] = fits
+                held.append(why)
         if sum(caps) < self.global_batch:
             log.warning("balance: the ranks' memory holds %d samples of the global batch of %d (%s); the shares "
                         "keep to the given caps", sum(caps), self.global_batch, "; ".join(held))
