@@ -18,6 +18,10 @@ repetition, and prints a Markdown table of median samples/s:
     python benchmarks/balance_cpu.py --gpu --cpus 0-3/4-15    # a GPU island and a 12-core CPU island
 
 With --cpus every two-rank job runs pinned, so its "equal speeds" rows are the islands' own speeds.
+The table's last column is the global batch over the median timed step (a few slow steps weigh in samples/s,
+the timed steps' mean, and not there); a line above it says at which step auto last changed its shares, which
+should come before the timed steps (`--skip` of the example, 25): otherwise raise --steps. `--keep DIR` keeps
+every job's JSON (each step's time, the shares over time and why).
 """
 
 from __future__ import annotations
@@ -142,28 +146,37 @@ def main() -> None:
                           f"{rates[1]:.0f})", file=sys.stderr)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in got.items()}
     batch = got["slowed: auto"][0]["args"]["global_batch"]
+    # the global batch over the median timed step: a few slow steps (a decision's collectives, a co-tenant)
+    # weigh in samples/s (the timed steps' mean) and not here
+    steady = {k: statistics.median(batch / statistics.median(r["step_seconds"][r["args"]["skip"]:]) for r in v)
+              for k, v in got.items()}
     print(f"# {datetime.date.today()}, {os.cpu_count()} CPUs; python benchmarks/balance_cpu.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
-    print(f"# examples/train_balanced.py, global batch {batch}, medians of {args.reps} interleaved runs\n")
-    print("| run | samples/s | against |")
-    print("|---|---|---|")
+    print(f"# examples/train_balanced.py, global batch {batch}, medians of {args.reps} interleaved runs")
+    settled = [r["shares"][-1]["step"] for r in got["slowed: auto"]]
+    skip = got["slowed: auto"][0]["args"]["skip"]
+    print(f"# slowed, auto: the last change of shares at step {settled}, timed from step {skip}"
+          + (" (a change in the timed steps: raise --steps)" if max(settled) >= skip else "") + "\n")
+    print("| run | samples/s | against | global batch / median step |")
+    print("|---|---|---|---|")
     solo = med["fast island alone"] + med["slowed island alone"]
-    print(f"| {'GPU island alone' if args.gpu else 'fast island alone'} | {med['fast island alone']:.0f} | |")
+    print(f"| {'GPU island alone' if args.gpu else 'fast island alone'} | {med['fast island alone']:.0f} | | "
+          f"{steady['fast island alone']:.0f} |")
     print(f"| {'CPU island alone' if args.gpu else f'slowed island alone (x{f})'} | "
-          f"{med['slowed island alone']:.0f} | |")
-    print(f"| sum of the two | {solo:.0f} | |")
+          f"{med['slowed island alone']:.0f} | | {steady['slowed island alone']:.0f} |")
+    print(f"| sum of the two | {solo:.0f} | | |")
     at_once = statistics.median(together)
-    print(f"| both alone at once (two jobs sharing the machine) | {at_once:.0f} | {at_once / solo:.2f}x the sum |")
+    print(f"| both alone at once (two jobs sharing the machine) | {at_once:.0f} | {at_once / solo:.2f}x the sum | |")
     eq = med["slowed: equal split"]
     for k in ("slowed: plain DDP", "slowed: equal split", "slowed: auto"):
         shown = k.replace("slowed: ", "GPU + CPU: ") if args.gpu else k
         print(f"| {shown} | {med[k]:.0f} | {med[k] / eq:.2f}x the equal split, {med[k] / solo:.2f}x the sum, "
-              f"{med[k] / at_once:.2f}x both at once |")
+              f"{med[k] / at_once:.2f}x both at once | {steady[k]:.0f} |")
     if args.gpu:
         return
     pl = med["equal speeds: plain DDP"]
     for k in ("equal speeds: plain DDP", "equal speeds: equal split", "equal speeds: auto"):
-        print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain |")
+        print(f"| {k} | {med[k]:.0f} | {med[k] / pl:.3f}x plain | {steady[k]:.0f} |")
     if "drift" not in got:
         return
     ideal = med["slowed: auto"]
