@@ -152,6 +152,31 @@ def case_ops(dtype_name: str) -> None:
     _eq(mine, sum(_val(q, (r + 1, 2), dt, base=r).to(torch.float64) for q in range(n)).to(dt),
         "reduce_scatter uneven")
 
+    # large all_gather / reduce_scatter (GPU only): between GPU leaders they cross in pieces (a stage chunk of
+    # every leader's block a piece, the last one short), in place too (FSDP2's all_gather; the output a slice
+    # of the input, as NCCL allows); exact small integers that vary along the block
+    if torch.get_default_device().type == "cuda" and dt == torch.float32:
+        m = 1_300_003
+
+        def block(q: int, base: int = 0) -> torch.Tensor:
+            return ((torch.arange(m) % 1013) + 3 * q + base).to(dt)
+
+        every = torch.cat([block(q) for q in range(n)])
+        big = torch.zeros(n * m, dtype=dt)
+        ALL_GATHER_TENSOR(big, block(r))
+        _eq(big, every, "large all_gather_into_tensor")
+        big = torch.zeros(n * m, dtype=dt)
+        big[r * m:(r + 1) * m] = block(r)
+        ALL_GATHER_TENSOR(big, big[r * m:(r + 1) * m])
+        _eq(big, every, "large all_gather_into_tensor in place")
+        src = torch.cat([block(r, base=q) for q in range(n)])
+        want_rs = sum(block(q, base=r).to(torch.float64) for q in range(n)).to(dt)
+        out = torch.zeros(m, dtype=dt)
+        REDUCE_SCATTER_TENSOR(out, src)
+        _eq(out, want_rs, "large reduce_scatter_tensor")
+        REDUCE_SCATTER_TENSOR(src[r * m:(r + 1) * m], src)
+        _eq(src[r * m:(r + 1) * m], want_rs, "large reduce_scatter_tensor in place")
+
     # broadcast, reduce from every root
     for root in range(n):
         t = _val(r, (5,), dt)

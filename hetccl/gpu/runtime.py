@@ -142,6 +142,20 @@ def reduce_inplace(dst: Any, src: Any, op: ReduceOp) -> None:
         torch.maximum(dst, src, out=dst)
 
 
+def reduce_into(dst: Any, a: Any, b: Any, op: ReduceOp) -> None:
+    """dst = a OP b on the device (current stream): one kernel where a copy and reduce_inplace take two (each
+    launch is the caller's time in an ordered collective); the same bits."""
+    torch = torch_mod()
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        torch.add(a, b, out=dst)
+    elif op == ReduceOp.PROD:
+        torch.mul(a, b, out=dst)
+    elif op == ReduceOp.MIN:
+        torch.minimum(a, b, out=dst)
+    else:
+        torch.maximum(a, b, out=dst)
+
+
 def divide_inplace(t: Any, divisor: int) -> None:
     if t.is_floating_point():
         t.div_(divisor)

@@ -157,6 +157,15 @@ class _Staged:
                 self.orig.copy_(self.buf)
 
 
+def _write_apart(out: _Staged, src: torch.Tensor) -> None:
+    """NCCL lets reduce_scatter's output be this rank's slice of its input (in place); hetccl's schedules read the
+    input while they write the output, so such an output is written through a copy (`finish()` puts it back)."""
+    a, b = out.buf.data_ptr(), src.data_ptr()
+    if out.buf.device == src.device and a < b + src.numel() * src.element_size() \
+            and b < a + out.buf.numel() * out.buf.element_size():
+        out.buf, out.writeback = torch.empty_like(out.buf), True
+
+
 def _single(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
         raise UnsupportedError(f"hetccl backend: {what} takes exactly one tensor per rank (got {len(tensors)}); "
@@ -948,6 +957,7 @@ class HetcclBackend(dist.ProcessGroup):
             raise UnsupportedError(f"hetccl backend: reduce_scatter_tensor input has {inp.buf.numel()} elements, "
                                    f"needs world_size * output = {self._size * out.buf.numel()}")
         src = _premul(inp.buf, factor, inplace=False).reshape(-1)
+        _write_apart(out, src)
         if not out.writeback:
             args = [out.buf.reshape(-1), src]
             work = self._now("reduce_scatter", args, {"op": op}, [output])
