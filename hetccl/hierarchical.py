@@ -851,7 +851,7 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     elif isl.leader and _gpu_leaders(lay) and every.numel() * isz > staging.SMALL_BYTES:
         # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
         stage, body = _plan_leaders_all_gather_in_pieces(group, lay, isl, words, every, block,
-                                                         mine if isl.comm is not None else t)
+                                                         mine if isl.comm is not None else t, mine.numel())
     elif isl.leader:
         stage = isl.stage(words, every.numel() * isz)
         # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
@@ -926,27 +926,30 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     return stage, body, (CollOp.REDUCE_SCATTER, None, k, -1, rop)
 
 
-def _leader_pieces(lay: Layout, count: int, isz: int) -> list[tuple[int, int]]:
-    """Element ranges of a leader's block of `count` such that one range of every leader's block makes one
-    stage chunk: the pieces of the ordered all_gather and reduce_scatter between GPU leaders."""
-    step = max(1, staging.STAGE_CHUNK // (isz * lay.leaders.size))
+def _leader_pieces(count: int, isz: int) -> list[tuple[int, int]]:
+    """Element ranges of a leader's block of `count`, a stage chunk each: the pieces of the ordered all_gather
+    and reduce_scatter between GPU leaders. (A stage chunk across all the leaders' blocks, half as much per piece
+    with two, left reduce_scatter at 0.45x all_reduce's busbw at 200 MiB, H100 2026-12-07: three pieces in flight
+    were too few bytes for the wire.)"""
+    step = max(1, staging.STAGE_CHUNK // isz)
     return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
 
 
 def _plan_leaders_all_gather_in_pieces(group: Group, lay: Layout, isl: _Island, words: Any, every: Any, block: int,
-                                       own: Any) -> tuple[Any, Callable[[], Awaitable[None]]]:
+                                       own: Any, real: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered all_gather where every leader holds a GPU, in pieces as the all_reduce's
     (_plan_leaders_all_reduce_on_device): piece i of this leader's block `own` goes to the host as soon as it is
     copied, the leaders all_gather it (piece i of leader r at slot r of the piece's region), and the stream
     copies the other leaders' slots back into their blocks of `every` while the next pieces cross. In one piece,
     the copy out, the wire and the copy back ran one after the other (all_gather at 0.87x all_reduce's busbw at
-    64 MiB, H100 2026-12-07)."""
+    64 MiB, H100 2026-12-07). Of `own`, the first `real` elements are data: in blocks padded to the widest island,
+    the rest of a block crosses as it is and is never read."""
     n, me, isz = lay.leaders.size, lay.leaders.rank, every.element_size()
-    pieces = _leader_pieces(lay, block, isz)
+    pieces = _leader_pieces(block, isz)
     dtype = as_device_buf(every).dtype
     stage = isl.stage(words, n * block * isz)
-    stage.to_host(own, [[(lo * isz, n * lo * isz + me * (hi - lo) * isz, (hi - lo) * isz)] for lo, hi in pieces],
-                  early=True)
+    stage.to_host(own, [[(lo * isz, n * lo * isz + me * (hi - lo) * isz, (min(hi, real) - lo) * isz)]
+                        if lo < real else [] for lo, hi in pieces], early=True)
     stage.from_host(every, [[((r * block + lo) * isz, n * lo * isz + r * (hi - lo) * isz, (hi - lo) * isz)
                              for r in range(n) if r != me] for lo, hi in pieces])
     stage.seal()
@@ -969,7 +972,7 @@ def _plan_leaders_reduce_scatter_in_pieces(group: Group, lay: Layout, isl: _Isla
     (0.5x its busbw, H100 2026-12-07)."""
     n, me, isz = lay.leaders.size, lay.leaders.rank, region.element_size()
     blk = region.numel()
-    pieces = _leader_pieces(lay, blk, isz)
+    pieces = _leader_pieces(blk, isz)
     dtype = as_device_buf(region).dtype
     half = n * blk * isz  # the host buffer: what this leader sends, then what it receives, piece-major
     stage = isl.stage(words, 2 * half)
