@@ -773,24 +773,22 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     stage = isl.stage(words, k * sum(sizes))
     stage.to_host(src, [[(at, k * at + me * size, size)] for at, size in zip(starts, sizes, strict=True)],
                   early=packed is None)
-    scratch = isl.empty_like(flat.view(torch_mod().uint8), k * max(sizes))  # reused: the stream is in order
+    if packed is None:  # the other leaders' chunks land beside this one's own data, reduced a span at a time
+        avg = (lambda d: divide_inplace(d, group.size)) if rop == ReduceOp.AVG else None
+        spans = _SpanReduction(isl, flat, flat, elems, k, me, inner, avg)
+        stage.from_host(spans.scratch, [[(spans.at(j, r), k * at + r * size, size) for r in range(k) if r != me]
+                                        for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
+                        then=spans.landed)
+    else:
+        scratch = isl.empty_like(flat.view(torch_mod().uint8), k * max(sizes))  # reused: the stream is in order
 
-    def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
-        if packed is not None:
+        def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
             packed.reduce(j, flat, scratch, inner, reduce_inplace)
-        else:
-            lo, hi = elems[j]
-            every = scratch[:k * sizes[j]].view(t.dtype)
-            n = hi - lo
-            dst = flat[lo:hi]
-            reduce_into(dst, every[:n], every[n:2 * n], inner)
-            for r in range(2, k):
-                reduce_inplace(dst, every[r * n:(r + 1) * n], inner)
-        if rop == ReduceOp.AVG:
-            divide_inplace(flat[elems[j][0]:elems[j][1]], group.size)
+            if rop == ReduceOp.AVG:
+                divide_inplace(flat[elems[j][0]:elems[j][1]], group.size)
 
-    stage.from_host(scratch, [[(0, k * at, k * size)] for at, size in zip(starts, sizes, strict=True)],
-                    then=reduce_chunk)
+        stage.from_host(scratch, [[(0, k * at, k * size)] for at, size in zip(starts, sizes, strict=True)],
+                        then=reduce_chunk)
     stage.seal()
     wire_dtype = DType.UINT8 if packed is not None else dtype
 
@@ -800,6 +798,49 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
         return lay.leaders.flat_all_gather(every, _sl(every, me * n, (me + 1) * n))
 
     return stage, lambda: _in_flight(group, stage, len(sizes), gather, "cross-island all_reduce")
+
+
+_REDUCE_SPAN = 8  # pieces of an ordered collective reduced on the device by one kernel per leader
+
+
+class _SpanReduction:
+    """The device side of an ordered reduction between GPU leaders: the other leaders' slices of each piece are
+    copied back into `scratch` (this leader's own slice stays where it is, in `own`), and once a span of
+    _REDUCE_SPAN pieces has landed, `dst` gets their reduction in leader order, with one kernel per leader over
+    the whole span (so every leader computes the same bits). A kernel per piece cost each piece some 30 us of
+    the caller's thread, which an ordered collective holds while it enqueues (H100, 2026-12-07); the scratch is
+    (k - 1) spans, reused: the stream is in order."""
+
+    def __init__(self, isl: _Island, dst: Any, own: Any, pieces: list[tuple[int, int]], k: int, me: int,
+                 op: ReduceOp, then: Callable[[Any], None] | None = None):
+        self.dst, self.own, self.pieces, self.k, self.me, self.op, self.then = dst, own, pieces, k, me, op, then
+        self.isz = dst.element_size()
+        self.width = pieces[min(_REDUCE_SPAN, len(pieces)) - 1][1] - pieces[0][0]  # elements of the longest span
+        self.scratch = isl.empty_like(dst, (k - 1) * self.width)
+
+    def at(self, i: int, r: int) -> int:
+        """Byte offset in scratch of leader r's slice of piece i."""
+        q = r if r < self.me else r - 1
+        first = self.pieces[i - i % _REDUCE_SPAN][0]
+        return (q * self.width + self.pieces[i][0] - first) * self.isz
+
+    def landed(self, i: int) -> None:
+        """On the stream, once piece i's slices are back: the span's reduction after its last piece."""
+        if i % _REDUCE_SPAN != _REDUCE_SPAN - 1 and i != len(self.pieces) - 1:
+            return
+        lo, hi = self.pieces[i - i % _REDUCE_SPAN][0], self.pieces[i][1]
+        n = hi - lo
+        parts = [self.own[lo:hi] if r == self.me else self.scratch[(r if r < self.me else r - 1) * self.width:][:n]
+                 for r in range(self.k)]
+        dst = self.dst[lo:hi]  # may be `own` itself (all_reduce): the leaders before this one sum in scratch first
+        head = parts[0]
+        for p in parts[1:self.me]:
+            reduce_inplace(head, p, self.op)
+        reduce_into(dst, head, parts[max(self.me, 1)], self.op)
+        for p in parts[max(self.me, 1) + 1:]:
+            reduce_inplace(dst, p, self.op)
+        if self.then is not None:
+            self.then(dst)
 
 
 async def _in_flight(group: Group, stage: Any, count: int, piece: Callable[[int], Awaitable[None]], what: str) -> None:
@@ -967,38 +1008,39 @@ def _plan_leaders_reduce_scatter_in_pieces(group: Group, lay: Layout, isl: _Isla
                                            ) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered reduce_scatter where every leader holds a GPU, in pieces: per piece, the
     leaders swap the slices of their sums `acc` that the others keep (an all_to_all through pinned memory: each
-    moves (k-1)/k of acc), and the stream reduces what arrives into `region` in leader order, on the device. The
-    host does no arithmetic: in one piece with the host's reduction, reduce_scatter took as long as all_reduce
-    (0.5x its busbw, H100 2026-12-07)."""
+    moves (k-1)/k of acc; with two leaders an all_gather of the one slice each sends, which moves the same bytes
+    by the host's faster all_gather), and the stream reduces what arrives into `region` in leader order, on the
+    device. The host does no arithmetic: in one piece with the host's reduction, reduce_scatter took as long as
+    all_reduce (0.5x its busbw, H100 2026-12-07)."""
     n, me, isz = lay.leaders.size, lay.leaders.rank, region.element_size()
     blk = region.numel()
     pieces = _leader_pieces(blk, isz)
     dtype = as_device_buf(region).dtype
-    half = n * blk * isz  # the host buffer: what this leader sends, then what it receives, piece-major
-    stage = isl.stage(words, 2 * half)
-    stage.to_host(acc, [[((r * blk + lo) * isz, n * lo * isz + r * (hi - lo) * isz, (hi - lo) * isz)
+    whole = acc.view(-1)
+    spans = _SpanReduction(isl, region.view(-1), whole[me * blk:(me + 1) * blk], pieces, n, me, op)
+    # the host buffer, piece-major: piece i's slot r at n * lo + r * (hi - lo) elements; with two leaders one
+    # region, where slot `me` is sent and the other slot received; else what this leader sends to each (slot
+    # r for leader r), then at `back` what each sent it
+    back = 0 if n == 2 else n * blk * isz
+    stage = isl.stage(words, n * blk * isz + back)
+
+    def slot(lo: int, hi: int, r: int) -> int:
+        return n * lo * isz + r * (hi - lo) * isz
+
+    stage.to_host(acc, [[((r * blk + lo) * isz, slot(lo, hi, me if n == 2 else r), (hi - lo) * isz)
                          for r in range(n) if r != me] for lo, hi in pieces], early=early)
-    flat, whole = region.view(-1), acc.view(-1)
-    scratch = isl.empty_like(flat, n * (pieces[0][1] - pieces[0][0]))  # reused: the stream is in order
-
-    def reduce_piece(i: int) -> None:  # on the stream, once piece i's slices are back: in leader order
-        lo, hi = pieces[i]
-        m = hi - lo
-        dst = flat[lo:hi]
-        parts = [whole[me * blk + lo:me * blk + hi] if r == me else scratch[r * m:(r + 1) * m] for r in range(n)]
-        reduce_into(dst, parts[0], parts[1], op)
-        for p in parts[2:]:
-            reduce_inplace(dst, p, op)
-
-    stage.from_host(scratch, [[(r * (hi - lo) * isz, half + n * lo * isz + r * (hi - lo) * isz, (hi - lo) * isz)
-                               for r in range(n) if r != me] for lo, hi in pieces], then=reduce_piece)
+    stage.from_host(spans.scratch, [[(spans.at(i, r), back + slot(lo, hi, r), (hi - lo) * isz)
+                                     for r in range(n) if r != me] for i, (lo, hi) in enumerate(pieces)],
+                    then=spans.landed)
     stage.seal()
 
     def swap(i: int) -> Awaitable[None]:
         lo, hi = pieces[i]
         m = n * (hi - lo)
-        return lay.leaders.flat_all_to_all(Buf(stage.host[half + n * lo * isz:][:m * isz], dtype, m),
-                                           Buf(stage.host[n * lo * isz:][:m * isz], dtype, m))
+        sent = Buf(stage.host[n * lo * isz:][:m * isz], dtype, m)
+        if n == 2:
+            return lay.leaders.flat_all_gather(sent, _sl(sent, me * (hi - lo), (me + 1) * (hi - lo)))
+        return lay.leaders.flat_all_to_all(Buf(stage.host[back + n * lo * isz:][:m * isz], dtype, m), sent)
 
     return stage, lambda: _in_flight(group, stage, len(pieces), swap, "cross-island reduce_scatter")
 

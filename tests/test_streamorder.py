@@ -61,3 +61,38 @@ async def test_until_times_out_and_the_watcher_goes_on():
     assert loop.time() - t0 < 5
     threading.Timer(0.02, lambda: words.store((1, 1))).start()
     await streamorder.until(words, (1, 1), loop.time() + 10, "stored later")
+
+
+@pytest.mark.parametrize("k,me", [(2, 0), (2, 1), (3, 1), (4, 3)])
+def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me):
+    """The ordered reductions' device side (hierarchical._SpanReduction), run on CPU tensors: the other
+    leaders' slices copied where `at` says, a span of pieces reduced after its last piece (not before), and
+    the result the leader-order sum of every block bit for bit (what the host-side reference and every other
+    leader compute). 19 pieces of 1,000 and a short last one: two full spans and a short one."""
+    torch = pytest.importorskip("torch")
+    from hetccl import hierarchical
+    from hetccl.dtypes import ReduceOp
+
+    class CpuIsland:  # the plan's allocator for the stream, on the host
+        def empty_like(self, t, count=None):
+            return torch.full((t.numel() if count is None else count,), float("nan"), dtype=t.dtype)
+
+    count = 19_300
+    pieces = [(lo, min(lo + 1000, count)) for lo in range(0, count, 1000)]
+    g = torch.Generator().manual_seed(k * 10 + me)
+    blocks = [torch.randn(count, generator=g) * 1e3 for _ in range(k)]
+    own = blocks[me].clone()
+    spans = hierarchical._SpanReduction(CpuIsland(), own, own, pieces, k, me, ReduceOp.SUM)
+    u8 = spans.scratch.view(torch.uint8)
+    for i, (lo, hi) in enumerate(pieces):
+        for r in range(k):
+            if r != me:
+                u8[spans.at(i, r):spans.at(i, r) + (hi - lo) * 4] = blocks[r][lo:hi].view(torch.uint8)
+        before = own.clone()
+        spans.landed(i)
+        last_of_span = i % hierarchical._REDUCE_SPAN == hierarchical._REDUCE_SPAN - 1 or i == len(pieces) - 1
+        assert torch.equal(own, before) != last_of_span, f"piece {i}: {'never' if last_of_span else 'too early'}"
+    want = blocks[0] + blocks[1]
+    for b in blocks[2:]:
+        want = want + b
+    assert torch.equal(own, want)
