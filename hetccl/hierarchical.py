@@ -779,16 +779,21 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
         stage.from_host(spans.scratch, [[(spans.at(j, r), k * at + r * size, size) for r in range(k) if r != me]
                                         for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
                         then=spans.landed)
-    else:
-        scratch = isl.empty_like(flat.view(torch_mod().uint8), k * max(sizes))  # reused: the stream is in order
+    else:  # a span of chunks lands, then is unpacked and reduced in one pass (as _SpanReduction, for the launches)
+        span = min(_REDUCE_SPAN, len(sizes))
+        scratch = isl.empty_like(flat.view(torch_mod().uint8), span * k * sizes[0])  # reused: the stream is in order
 
-        def reduce_chunk(j: int) -> None:  # on the stream, once chunk j's blocks are back
-            packed.reduce(j, flat, scratch, inner, reduce_inplace)
+        def reduce_chunks(j: int) -> None:  # on the stream, once chunk j's blocks are back
+            if j % span != span - 1 and j != len(sizes) - 1:
+                return
+            j0 = j - j % span
+            packed.reduce_span(j0, j + 1, flat, scratch, inner, reduce_inplace)
             if rop == ReduceOp.AVG:
-                divide_inplace(flat[elems[j][0]:elems[j][1]], group.size)
+                divide_inplace(flat[elems[j0][0]:elems[j][1]], group.size)
 
-        stage.from_host(scratch, [[(0, k * at, k * size)] for at, size in zip(starts, sizes, strict=True)],
-                        then=reduce_chunk)
+        stage.from_host(scratch, [[((j % span) * k * sizes[0], k * at, k * size)]
+                                  for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
+                        then=reduce_chunks)
     stage.seal()
     wire_dtype = DType.UINT8 if packed is not None else dtype
 

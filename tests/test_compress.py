@@ -189,3 +189,49 @@ def test_device_pieces_cross_as_the_host_schedule_packs_them(wire: int) -> None:
         for j in range(1, n):
             want = want + host_back(blocks[j][r * kk:(r + 1) * kk])
         np.testing.assert_array_equal(region.numpy(), want)
+
+
+@pytest.mark.parametrize("wire", [BF16, FP8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_leader_chunks_pack_and_reduce_as_rows_give_the_chunk_by_chunk_bytes(wire: int, dtype: str) -> None:
+    """A compressed all_reduce's device side (codec.LeaderChunks, run here on CPU tensors) packs its chunks of
+    equal length as rows in one pass, and unpacks and reduces a span of them in one pass: the same bytes, and the
+    same bits in leader order, as chunk by chunk (pack_blocks, reduce), a short last chunk included; 3 leaders,
+    values whose magnitude changes every 300 so that fp8's group scales differ."""
+    torch = pytest.importorskip("torch")
+    from hetccl.gpu import codec
+
+    k, step, count = 3, 3 * 4096, 5 * 3 * 4096 + 2000
+    chunks = [(lo, min(lo + step, count)) for lo in range(0, count, step)]
+    lc = codec.LeaderChunks(chunks, k, wire)
+    rng = np.random.default_rng(wire)
+    tdt = getattr(torch, dtype)
+    leaders = [torch.from_numpy((rng.standard_normal(count) * np.repeat(2.0 ** rng.integers(-20, 20, count // 300 + 1),
+                                                                          300)[:count]).astype(np.float32)).to(tdt)
+               for _ in range(k)]
+    packed = []
+    for x in leaders:
+        rows = torch.full((lc.total,), 7, dtype=torch.uint8)
+        lc.pack(rows, x)
+        one_by_one = torch.full((lc.total,), 7, dtype=torch.uint8)
+        for (lo, hi), blocks, at, size in zip(lc.chunks, lc.blocks, lc.starts, lc.sizes, strict=True):
+            codec.pack_blocks(one_by_one[at:at + size], x[lo:hi], wire, blocks)
+        assert torch.equal(rows, one_by_one)
+        packed.append(rows)
+
+    def add(d, s, op):  # runtime.reduce_inplace's SUM
+        d.add_(s)
+
+    want = torch.empty(count, dtype=tdt)
+    for j, (at, size) in enumerate(zip(lc.starts, lc.sizes, strict=True)):  # chunk by chunk, leader order
+        lc.reduce(j, want, torch.cat([p[at:at + size] for p in packed]), None, add)
+    got = torch.full((count,), float("nan"), dtype=tdt)
+    span = 4  # spans of 4 and 2 chunks, the last one short
+    for j0 in range(0, len(chunks), span):
+        j1 = min(j0 + span, len(chunks))
+        scratch = torch.zeros(span * k * lc.sizes[0], dtype=torch.uint8)
+        for j in range(j0, j1):
+            at, size = lc.starts[j], lc.sizes[j]
+            scratch[(j - j0) * k * lc.sizes[0]:][:k * size] = torch.cat([p[at:at + size] for p in packed])
+        lc.reduce_span(j0, j1, got, scratch, None, add)
+    assert torch.equal(got, want)

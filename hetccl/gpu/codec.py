@@ -31,41 +31,62 @@ def pack(dst: Any, src: Any, wire: int) -> None:
         pack(aligned, src, wire)
         dst.copy_(aligned)
         return
-    n = src.numel()
-    x = src.reshape(-1).float()  # the host codec widens to float32 first, float64 too
+    # the host codec widens to float32 first, float64 too
+    pack_rows(_one_row(dst), src.reshape(1, -1).float(), wire)
+
+
+def _one_row(t: Any) -> Any:
+    """A flat uint8 tensor as one row (its row stride a multiple of 4, which torch's dtype views ask of every
+    stride, though one row never steps by it)."""
+    return t.as_strided((1, t.numel()), (-(-t.numel() // 4) * 4, 1))
+
+
+def pack_rows(dst: Any, x: Any, wire: int) -> None:
+    """Each row of x (rows x n, float32) packed at the start of the same row of dst (uint8, each row at least
+    wire_size(n) bytes and 4-byte aligned): pack's operations once for every row, where packing row by row is a
+    dozen kernel launches a row on the caller's thread (fp8)."""
+    torch = torch_mod()
+    rows, n = x.shape
     if wire != FP8:
-        dst[:2 * n].view(torch.bfloat16 if wire == BF16 else torch.float16).copy_(x)
+        dst[:, :2 * n].view(torch.bfloat16 if wire == BF16 else torch.float16).copy_(x)
         return
     groups = -(-n // FP8_GROUP)
     if groups * FP8_GROUP != n:  # the last group padded with zeros, which change no group's largest magnitude
         x = torch.nn.functional.pad(x, (0, groups * FP8_GROUP - n))
-    x = x.view(groups, FP8_GROUP)
-    amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(1)  # the largest finite magnitude of each group
+    x = x.reshape(rows, groups, FP8_GROUP)
+    amax = x.abs().nan_to_num_(0.0, 0.0, 0.0).amax(2)  # the largest finite magnitude of each group
     _, e = torch.frexp(amax / FP8_MAX)  # amax / 448 < 2^e
     k = torch.where(torch.ldexp(torch.full_like(amax, FP8_MAX), e - 1) >= amax, e - 1, e)
     k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)
     one = torch.ones_like(amax)
-    dst[:4 * groups].view(torch.float32).copy_(torch.ldexp(one, k))
+    dst[:, :4 * groups].view(torch.float32).copy_(torch.ldexp(one, k))
     # x * 2^-k is what the host codec rounds (the same float32 product); torch's cast to e4m3fn rounds to nearest
     # even and makes inf and NaN the NaN code with the sign kept, as hccl_f2e4m3
-    scaled = (x * torch.ldexp(one, -k)[:, None]).view(-1)[:n]
-    dst[4 * groups:4 * groups + n].view(torch.float8_e4m3fn).copy_(scaled)
+    scaled = (x * torch.ldexp(one, -k)[:, :, None]).reshape(rows, -1)[:, :n]
+    dst[:, 4 * groups:4 * groups + n].view(torch.float8_e4m3fn).copy_(scaled)
 
 
 def unpack(src: Any, count: int, wire: int) -> Any:
     """The `count` values packed in src (uint8, wire_size bytes) as a new float32 tensor, on the current stream
     (the host codec decodes to float32 too; the caller casts to its dtype)."""
-    torch = torch_mod()
     if src.storage_offset() % 4:  # see pack
         src = src[:wire_size(count, wire)].clone()
+    return unpack_rows(_one_row(src[:wire_size(count, wire)]), count, wire)[0]
+
+
+def unpack_rows(src: Any, count: int, wire: int) -> Any:
+    """The `count` values packed at the start of each row of src (pack_rows' layout) as a new float32 tensor of
+    rows x count."""
+    torch = torch_mod()
+    rows = src.shape[0]
     if wire != FP8:
-        return src[:2 * count].view(torch.bfloat16 if wire == BF16 else torch.float16).float()
+        return src[:, :2 * count].view(torch.bfloat16 if wire == BF16 else torch.float16).float()
     groups = -(-count // FP8_GROUP)
-    vals = src[4 * groups:4 * groups + count].view(torch.float8_e4m3fn).float()
+    vals = src[:, 4 * groups:4 * groups + count].view(torch.float8_e4m3fn).float()
     if groups * FP8_GROUP != count:
         vals = torch.nn.functional.pad(vals, (0, groups * FP8_GROUP - count))
-    scale = src[:4 * groups].view(torch.float32)
-    return (vals.view(groups, FP8_GROUP) * scale[:, None]).view(-1)[:count]
+    scale = src[:, :4 * groups].view(torch.float32)
+    return (vals.view(rows, groups, FP8_GROUP) * scale[:, :, None]).view(rows, -1)[:, :count]
 
 
 def pack_slot(dst: Any, src: Any, wire: int) -> None:
@@ -144,9 +165,25 @@ class LeaderChunks:
         self.starts = [sum(self.sizes[:j]) for j in range(len(chunks))]  # in the packed buffer of one leader
         self.total = sum(self.sizes)
 
+    def _rows(self, j0: int, j1: int) -> int:
+        """How many of chunks j0 .. j1 - 1, from j0, pack as rows (pack_rows): chunks of the first one's length
+        packed in one segment (fp8's groups not restarting inside)."""
+        lo, hi = self.chunks[0]
+        if len(_segments(hi - lo, self.wire, self.blocks[0])) != 1:
+            return 0
+        return sum(1 for j in range(j0, j1) if self.chunks[j][1] - self.chunks[j][0] == hi - lo)
+
     def pack(self, dst: Any, flat: Any) -> None:
-        """dst (uint8, total bytes) <- every chunk of flat packed, on the current stream."""
-        for (lo, hi), blocks, at, size in zip(self.chunks, self.blocks, self.starts, self.sizes, strict=True):
+        """dst (uint8, total bytes) <- every chunk of flat packed, on the current stream: the chunks of equal
+        length as rows, in one pass."""
+        rows = self._rows(0, len(self.chunks)) if dst.storage_offset() % 4 == 0 else 0
+        if rows > 1:
+            n, size = self.chunks[0][1] - self.chunks[0][0], self.sizes[0]
+            pack_rows(dst[:rows * size].view(rows, size), flat[:rows * n].view(rows, n).float(), self.wire)
+        else:
+            rows = 0
+        for (lo, hi), blocks, at, size in zip(self.chunks[rows:], self.blocks[rows:], self.starts[rows:],
+                                              self.sizes[rows:], strict=True):
             pack_blocks(dst[at:at + size], flat[lo:hi], self.wire, blocks)
 
     def reduce(self, j: int, flat: Any, every: Any, op: Any, reduce_inplace: Any) -> None:
@@ -161,15 +198,58 @@ class LeaderChunks:
             else:
                 reduce_inplace(dst, got.to(dst.dtype), op)
 
+    def reduce_span(self, j0: int, j1: int, flat: Any, scratch: Any, op: Any, reduce_inplace: Any) -> None:
+        """reduce() of chunks j0 .. j1 - 1, whose k packed blocks lie in scratch (uint8) from (j - j0) * k *
+        sizes[0] bytes: the chunks of equal length unpacked and reduced as rows, the same arithmetic in one pass
+        (a few kernels, where chunk by chunk took a few per leader and chunk)."""
+        rows = self._rows(j0, j1) if scratch.storage_offset() % 4 == 0 else 0
+        step = self.k * self.sizes[0]
+        if rows > 1:
+            n, size = self.chunks[j0][1] - self.chunks[j0][0], self.sizes[0]
+            got = unpack_rows(scratch[:rows * step].view(rows * self.k, size), n, self.wire).reshape(rows, self.k, n)
+            lo = self.chunks[j0][0]
+            dst = flat[lo:lo + rows * n].view(rows, n)
+            dst.copy_(got[:, 0])
+            for r in range(1, self.k):
+                reduce_inplace(dst, got[:, r].to(dst.dtype), op)
+        else:
+            rows = 0
+        for j in range(j0 + rows, j1):
+            self.reduce(j, flat, scratch[(j - j0) * step:], op, reduce_inplace)
+
+
+def _rows_fit(t: Any, slot: int) -> bool:
+    """Whether slots of `slot` bytes from t's start can be viewed as rows for pack_rows / unpack_rows."""
+    return slot % 4 == 0 and t.storage_offset() % 4 == 0
+
 
 def pack_pieces(sent: Any, src: Any, pieces: list[tuple[int, int]], slot: int, n: int, block: int,
                 wire: int) -> None:
     """The send side of the host's compressed all_gather (n = 1) and reduce_scatter (n blocks of `block`
-    elements, one per leader) on the device: piece i of block j packed into slot i * n + j of `sent`."""
-    for i, (a, b) in enumerate(pieces):
+    elements, one per leader) on the device: piece i of block j packed into slot i * n + j of `sent`; the
+    pieces of full length as rows, one pass a block."""
+    p = pieces[0][1] - pieces[0][0]
+    full = sum(1 for a, b in pieces if b - a == p) if _rows_fit(sent, slot) and wire_size(p, wire) == slot else 0
+    if full > 1:
+        every = sent[:full * n * slot].view(full, n, slot)
+        for j in range(n):
+            pack_rows(every[:, j], src[j * block:j * block + full * p].view(full, p).float(), wire)
+    else:
+        full = 0
+    for i, (a, b) in enumerate(pieces[full:], start=full):
         for j in range(n):
             at = (i * n + j) * slot
             pack_slot(sent[at:at + slot], src[j * block + a:j * block + b], wire)
+
+
+def _unpacked_slots(got: Any, pieces: list[tuple[int, int]], slot: int, n: int, i: int, wire: int) -> Any:
+    """The n slots of piece i (i * n .. i * n + n - 1 of `got`) unpacked as rows (n x its length, float32), or
+    None where they cannot be viewed as rows."""
+    a, b = pieces[i]
+    rows = got[i * n * slot:(i + 1) * n * slot]
+    if not _rows_fit(rows, slot):
+        return None
+    return unpack_rows(rows.view(n, slot), b - a, wire)
 
 
 def unpack_piece(every: Any, got: Any, pieces: list[tuple[int, int]], slot: int, n: int, block: int, i: int,
@@ -178,6 +258,10 @@ def unpack_piece(every: Any, got: Any, pieces: list[tuple[int, int]], slot: int,
     elements): an all_gather's receive side, this leader's own block too, so that every leader holds the same
     bits."""
     a, b = pieces[i]
+    vals = _unpacked_slots(got, pieces, slot, n, i, wire)
+    if vals is not None:
+        every[:n * block].view(n, block)[:, a:b].copy_(vals)
+        return
     for j in range(n):
         at = (i * n + j) * slot
         every[j * block + a:j * block + b].copy_(unpack_slot(got[at:at + slot], b - a, wire))
@@ -189,9 +273,13 @@ def reduce_piece(region: Any, got: Any, pieces: list[tuple[int, int]], slot: int
     `region` in leader order (reduce(dst, src) in place): a reduce_scatter's receive side."""
     a, b = pieces[i]
     dst = region[a:b]
+    rows = _unpacked_slots(got, pieces, slot, n, i, wire)
     for j in range(n):
-        at = (i * n + j) * slot
-        vals = unpack_slot(got[at:at + slot], b - a, wire).to(dst.dtype)
+        if rows is not None:
+            vals = rows[j].to(dst.dtype)
+        else:
+            at = (i * n + j) * slot
+            vals = unpack_slot(got[at:at + slot], b - a, wire).to(dst.dtype)
         if j == 0:
             dst.copy_(vals)
         else:

@@ -100,8 +100,7 @@ async def packed_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any,
                                                      size))
         with torch.cuda.stream(stream):
             back.copy_(host, non_blocking=True)
-            for j, at in enumerate(chunks.starts):
-                chunks.reduce(j, flat, back[k * at:k * (at + chunks.sizes[j])], op, reduce_inplace)
+            chunks.reduce_span(0, len(chunks.sizes), flat, back, op, reduce_inplace)  # chunk j at k * starts[j]
             done = torch.cuda.Event()
             done.record(stream)
         await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
