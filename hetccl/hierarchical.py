@@ -751,11 +751,11 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
                                        rop: ReduceOp, wire: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered all_reduce where every leader holds a GPU, as the loop's staged
     all_reduce with its reduction on the device: per chunk, the leaders all_gather their copies through pinned
-    host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the k blocks back
-    and reduces them in leader order, so that every leader computes the same bits. The host does no arithmetic,
-    and a few chunks' exchanges are in flight at once. With a wire (HETCCL_CROSS_COMPRESS) the stream packs each
-    chunk before its copy and unpacks the k blocks before reducing them (gpu/codec.py): the wire carries the packed
-    bytes."""
+    host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the other leaders'
+    blocks back and reduces them with its own in leader order (_SpanReduction), so that every leader computes the
+    same bits. The host does no arithmetic, and a few chunks' exchanges are in flight at once. With a wire
+    (HETCCL_CROSS_COMPRESS) the stream packs each chunk before its copy and unpacks the k blocks before reducing
+    them, a span of chunks at a time (gpu/codec.py): the wire carries the packed bytes."""
     k, me = lay.leaders.size, lay.leaders.rank
     inner = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     isz = t.element_size()
