@@ -140,6 +140,9 @@ def case_ops(dtype_name: str) -> None:
     out = torch.zeros(2, 3, dtype=dt)
     REDUCE_SCATTER_TENSOR(out, torch.cat(ins))
     _eq(out, exp.to(dt), "reduce_scatter_tensor")
+    src = torch.cat(ins).reshape(n * 2, 3)
+    REDUCE_SCATTER_TENSOR(src[r * 2:(r + 1) * 2], src)  # in place: the output is this rank's slice of the input
+    _eq(src[r * 2:(r + 1) * 2], exp.to(dt), "reduce_scatter_tensor in place")
 
     # uneven lists (FSDP2's parts whose size does not divide): rank q's part has q + 1 rows
     outs = [torch.zeros(q + 1, 2, dtype=dt) for q in range(n)]
