@@ -59,6 +59,7 @@ class Layout:
     island_comm: Group | None = None  # the group of my island (None when it is the whole group)
     leaders: Group | None = None  # the group of the island leaders (None off leaders / single island)
     link: Any = None  # zero-copy link of the GPU leaders on one host (pair, or ring of 3+); False: none
+    pair_link: bool | None = None  # _pair_link_applies, once known (it reads settings and records only)
 
     @property
     def single(self) -> bool:
@@ -572,11 +573,15 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any,
 
 def _pair_link_applies(group: Group, lay: Layout) -> bool:
     """Whether the loop's schedule would join these two GPU leaders by the pair link (_zero_copy_link's
-    conditions, from the layout alone)."""
-    g = lay.leaders.members
-    fab = group.fabric
-    return (len(g) == 2 and registry.device_link(2) is pairlink.PairLink and fab.topology.same_host(g[0], g[1])
-            and all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g))
+    conditions, from the layout alone; kept in the layout: asking the link registry on every ordered collective
+    cost its caller's thread tens of microseconds)."""
+    if lay.pair_link is None:
+        g = lay.leaders.members
+        fab = group.fabric
+        lay.pair_link = (len(g) == 2 and registry.device_link(2) is pairlink.PairLink
+                         and fab.topology.same_host(g[0], g[1])
+                         and all(vendor_of(fab.records[x].get("island", "cpu")) is not None for x in g))
+    return lay.pair_link
 
 
 def _link_ordered(group: Group, name: str, link: Any, words: Any, stream: Any, args: tuple[Any, ...]) -> Ordered:
