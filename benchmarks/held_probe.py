@@ -1,0 +1,118 @@
+"""Where the caller's thread goes in a blocking cross-island collective: 16 MiB fp32 all_reduce, reduce_scatter,
+all_gather and broadcast, each behind ~8 ms of matmuls queued on the current stream, two GPU islands on one GPU.
+
+    HETCCL_HOST=h0,h1 torchrun --standalone --nproc-per-node 2 benchmarks/held_probe.py      # the GPU machine
+
+Per op, rank 0 prints the median time the blocking call keeps the thread (12 calls) in four modes: as is; after
+a 3 ms pause (leftover work of hetccl's loop thread would finish in it); with a 0.1 ms GIL switch interval (a
+thread holding the GIL would give it up sooner); under cProfile. It also prints the mean time per call spent in
+the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (planning) and
+`_Island.enqueue` (the device side), the Work's constructor and wait) and cProfile's cumulative listing of the
+hetccl, torch.cuda and torch.distributed functions. Without HETCCL_HOST the islands meet over the zero-copy link.
+"""
+
+from __future__ import annotations
+
+import collections
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import hetccl.torch  # noqa: F401 (registers the backend; eager module loading before CUDA starts)
+import torch
+import torch.distributed as dist
+from hetccl import hierarchical
+from hetccl.torch import backend
+
+RANK = int(os.environ.get("RANK", "0"))
+
+SPENT: dict[str, float] = collections.defaultdict(float)
+CALLS, MATMULS, COUNT = 12, 25, 4 << 20
+
+
+def timed(owner: Any, name: str) -> None:
+    fn = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[name] += time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    os.environ["HETCCL_ISLAND"] = f"nvidia-{RANK}"  # each rank its own island
+    for owner, name in [(backend.HetcclBackend, "_launch_ordered"), (backend._EnqueuedWork, "__init__"),
+                        (backend._EnqueuedWork, "wait"), (hierarchical, "enqueue_ordered"),
+                        (hierarchical._Island, "enqueue"), (backend.HetcclBackend, "_early_stream")]:
+        timed(owner, name)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("hetccl", device_id=dev)
+    n = dist.get_world_size()
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    full, part = torch.ones(COUNT, device=dev), torch.ones(COUNT // n, device=dev)
+    out_full, out_part = torch.empty(COUNT, device=dev), torch.empty(COUNT // n, device=dev)
+    ops: dict[str, Callable[..., Any]] = {
+        "all_reduce": lambda **kw: dist.all_reduce(full, **kw),
+        "reduce_scatter": lambda **kw: dist.reduce_scatter_tensor(out_part, full, **kw),
+        "all_gather": lambda **kw: dist.all_gather_into_tensor(out_full, part, **kw),
+        "broadcast": lambda **kw: dist.broadcast(full, 0, **kw),
+    }
+    for name, call in ops.items():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        held: dict[str, float] = {}
+        parts: dict[str, float] = {}
+        listing = ""
+        for mode in ("as is", "3 ms pause", "switch 0.1 ms", "cProfile"):
+            times = []
+            SPENT.clear()
+            prof = cProfile.Profile() if mode == "cProfile" else None
+            if mode == "switch 0.1 ms":
+                sys.setswitchinterval(0.0001)
+            for _ in range(CALLS):
+                dist.barrier()
+                torch.cuda.synchronize()
+                for _ in range(MATMULS):
+                    torch.mm(a, a, out=c)
+                if mode == "3 ms pause":
+                    time.sleep(0.003)
+                t0 = time.perf_counter()
+                if prof is not None:
+                    prof.enable()
+                call(async_op=False)
+                if prof is not None:
+                    prof.disable()
+                times.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+            sys.setswitchinterval(0.005)
+            held[mode] = round(statistics.median(times), 3)
+            if mode == "as is":
+                parts = {k: round(v / CALLS * 1e3, 3) for k, v in SPENT.items()}
+            if prof is not None:
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("hetccl|torch/cuda|distributed",
+                                                                                      30)
+                listing = text.getvalue()
+        if RANK == 0:
+            print(f"## {name}: held ms {held}; mean ms per call in {parts}")
+            lines = listing.splitlines()
+            start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+            print("\n".join(line for line in lines[start:] if line.strip()))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
