@@ -733,7 +733,7 @@ def _plan_all_reduce(group: Group, lay: Layout, isl: _Island, words: Any, stream
     # devices pack and reduce at every size, as the loop's schedule (staging.packed_all_reduce)
     wire = compress.wire_for(group.settings, b.dtype, b.nbytes)
     if isl.leader and _gpu_leaders(lay) and (b.nbytes > staging.SMALL_BYTES or wire):
-        stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, rop, wire)
+        stage, body = _plan_leaders_all_reduce_on_device(group, lay, isl, words, stream, t, b.dtype, rop, wire)
     elif isl.leader:
         stage = isl.stage(words, b.nbytes)
         pieces = streamorder.contiguous(0, _chunks(b.count, b.dtype.itemsize))
@@ -753,7 +753,8 @@ def _gpu_leaders(lay: Layout) -> bool:
 
 
 def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, words: Any, stream: Any, t: Any,
-                                       rop: ReduceOp, wire: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
+                                       dtype: DType, rop: ReduceOp, wire: int
+                                       ) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered all_reduce where every leader holds a GPU, as the loop's staged
     all_reduce with its reduction on the device: per chunk, the leaders all_gather their copies through pinned
     host memory (chunk j of leader r at block r of the chunk's region), and the stream copies the other leaders'
@@ -766,7 +767,6 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     isz = t.element_size()
     flat = t.view(-1)
     elems = _chunk_elems(t.numel(), isz)
-    dtype = as_device_buf(t).dtype
     packed = codec.LeaderChunks(elems, k, wire) if wire else None
     # what one leader sends of each chunk: its bytes, or its packed bytes; `sizes` and `starts` in bytes
     sizes = packed.sizes if packed else [(hi - lo) * isz for lo, hi in elems]
@@ -785,18 +785,18 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
                                         for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
                         then=spans.landed)
     else:  # a span of chunks lands, then is unpacked and reduced in one pass (as _SpanReduction, for the launches)
-        span = min(_REDUCE_SPAN, len(sizes))
-        scratch = isl.empty_like(flat.view(torch_mod().uint8), span * k * sizes[0])  # reused: the stream is in order
+        span = min(_REDUCE_SPAN, len(sizes))  # chunks in scratch at once, reused: the stream is in order
+        scratch = isl.empty_like(flat.view(torch_mod().uint8), span * k * sizes[0])
 
         def reduce_chunks(j: int) -> None:  # on the stream, once chunk j's blocks are back
-            if j % span != span - 1 and j != len(sizes) - 1:
+            j0 = _closed_span(j, len(sizes))
+            if j0 is None:
                 return
-            j0 = j - j % span
             packed.reduce_span(j0, j + 1, flat, scratch, inner, reduce_inplace)
             if rop == ReduceOp.AVG:
                 divide_inplace(flat[elems[j0][0]:elems[j][1]], group.size)
 
-        stage.from_host(scratch, [[((j % span) * k * sizes[0], k * at, k * size)]
+        stage.from_host(scratch, [[((j % _REDUCE_SPAN) * k * sizes[0], k * at, k * size)]
                                   for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
                         then=reduce_chunks)
     stage.seal()
@@ -811,6 +811,11 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
 
 
 _REDUCE_SPAN = 8  # pieces of an ordered collective reduced on the device by one kernel per leader
+
+
+def _closed_span(i: int, count: int) -> int | None:
+    """The first piece of the span that piece i (of `count`) closes, or None where the span goes on."""
+    return i - i % _REDUCE_SPAN if i % _REDUCE_SPAN == _REDUCE_SPAN - 1 or i == count - 1 else None
 
 
 class _SpanReduction:
@@ -828,20 +833,23 @@ class _SpanReduction:
         self.width = pieces[min(_REDUCE_SPAN, len(pieces)) - 1][1] - pieces[0][0]  # elements of the longest span
         self.scratch = isl.empty_like(dst, (k - 1) * self.width)
 
+    def _row(self, r: int) -> int:
+        """Leader r's span in scratch (the others' only: this leader's own slices stay in `own`)."""
+        return (r if r < self.me else r - 1) * self.width
+
     def at(self, i: int, r: int) -> int:
         """Byte offset in scratch of leader r's slice of piece i."""
-        q = r if r < self.me else r - 1
         first = self.pieces[i - i % _REDUCE_SPAN][0]
-        return (q * self.width + self.pieces[i][0] - first) * self.isz
+        return (self._row(r) + self.pieces[i][0] - first) * self.isz
 
     def landed(self, i: int) -> None:
         """On the stream, once piece i's slices are back: the span's reduction after its last piece."""
-        if i % _REDUCE_SPAN != _REDUCE_SPAN - 1 and i != len(self.pieces) - 1:
+        first = _closed_span(i, len(self.pieces))
+        if first is None:
             return
-        lo, hi = self.pieces[i - i % _REDUCE_SPAN][0], self.pieces[i][1]
+        lo, hi = self.pieces[first][0], self.pieces[i][1]
         n = hi - lo
-        parts = [self.own[lo:hi] if r == self.me else self.scratch[(r if r < self.me else r - 1) * self.width:][:n]
-                 for r in range(self.k)]
+        parts = [self.own[lo:hi] if r == self.me else self.scratch[self._row(r):][:n] for r in range(self.k)]
         dst = self.dst[lo:hi]  # may be `own` itself (all_reduce): the leaders before this one sum in scratch first
         head = parts[0]
         for p in parts[1:self.me]:
@@ -896,17 +904,16 @@ def _plan_all_gather(group: Group, lay: Layout, isl: _Island, words: Any, stream
     stage = body = None
     block = every.numel() // len(lay.islands)
     wire = compress.wire_for(group.settings, out.dtype, every.numel() * isz)
+    # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
+    src = mine if isl.comm is not None else t
     if isl.leader and wire and _gpu_leaders(lay):
         stage, body = _plan_packed_all_gather(group, lay, isl, words, stream, every,
                                               every[lay.mine * block:(lay.mine + 1) * block], wire)
     elif isl.leader and _gpu_leaders(lay) and every.numel() * isz > staging.SMALL_BYTES:
-        # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
-        stage, body = _plan_leaders_all_gather_in_pieces(group, lay, isl, words, every, block,
-                                                         mine if isl.comm is not None else t, mine.numel())
+        stage, body = _plan_leaders_all_gather_in_pieces(group, lay, isl, words, every, out.dtype, block, src,
+                                                         mine.numel())
     elif isl.leader:
         stage = isl.stage(words, every.numel() * isz)
-        # an island of one rank: its block is its input (copied into `mine` on the stream: read the input)
-        src = mine if isl.comm is not None else t
         stage.to_host(src, streamorder.contiguous(lo * isz, [(0, mine.numel() * isz)]), early=True)
         stage.from_host(every, streamorder.contiguous(0, [(0, every.numel() * isz)]))
         stage.seal()
@@ -953,7 +960,7 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     if isl.leader and wire and _gpu_leaders(lay):
         stage, body = _plan_packed_reduce_scatter(group, lay, isl, words, stream, region, acc, inner, wire)
     elif isl.leader and _gpu_leaders(lay) and acc.numel() * isz > staging.SMALL_BYTES:
-        stage, body = _plan_leaders_reduce_scatter_in_pieces(group, lay, isl, words, region, acc, inner,
+        stage, body = _plan_leaders_reduce_scatter_in_pieces(group, lay, isl, words, region, acc, out.dtype, inner,
                                                              early=not scratch)
     elif isl.leader:
         nb = acc.numel() * isz
@@ -977,27 +984,18 @@ def _plan_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: Any, st
     return stage, body, (CollOp.REDUCE_SCATTER, None, k, -1, rop)
 
 
-def _leader_pieces(count: int, isz: int) -> list[tuple[int, int]]:
-    """Element ranges of a leader's block of `count`, a stage chunk each: the pieces of the ordered all_gather
-    and reduce_scatter between GPU leaders. (A stage chunk across all the leaders' blocks, half as much per piece
-    with two, left reduce_scatter at 0.45x all_reduce's busbw at 200 MiB, H100 2026-12-07: three pieces in flight
-    were too few bytes for the wire.)"""
-    step = max(1, staging.STAGE_CHUNK // isz)
-    return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
-
-
-def _plan_leaders_all_gather_in_pieces(group: Group, lay: Layout, isl: _Island, words: Any, every: Any, block: int,
-                                       own: Any, real: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
+def _plan_leaders_all_gather_in_pieces(group: Group, lay: Layout, isl: _Island, words: Any, every: Any, dtype: DType,
+                                       block: int, own: Any, real: int) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered all_gather where every leader holds a GPU, in pieces as the all_reduce's
     (_plan_leaders_all_reduce_on_device): piece i of this leader's block `own` goes to the host as soon as it is
     copied, the leaders all_gather it (piece i of leader r at slot r of the piece's region), and the stream
     copies the other leaders' slots back into their blocks of `every` while the next pieces cross. In one piece,
     the copy out, the wire and the copy back ran one after the other (all_gather at 0.87x all_reduce's busbw at
-    64 MiB, H100 2026-12-07). Of `own`, the first `real` elements are data: in blocks padded to the widest island,
-    the rest of a block crosses as it is and is never read."""
+    64 MiB, H100 2026-12-07). A piece is a stage chunk of a block: a stage chunk across all the leaders' blocks
+    left too few bytes in flight for the wire. Of `own`, the first `real` elements are data: in blocks padded
+    to the widest island, the rest of a block crosses as it is and is never read."""
     n, me, isz = lay.leaders.size, lay.leaders.rank, every.element_size()
-    pieces = _leader_pieces(block, isz)
-    dtype = as_device_buf(every).dtype
+    pieces = _chunk_elems(block, isz)
     stage = isl.stage(words, n * block * isz)
     stage.to_host(own, [[(lo * isz, n * lo * isz + me * (hi - lo) * isz, (min(hi, real) - lo) * isz)]
                         if lo < real else [] for lo, hi in pieces], early=True)
@@ -1014,18 +1012,18 @@ def _plan_leaders_all_gather_in_pieces(group: Group, lay: Layout, isl: _Island, 
 
 
 def _plan_leaders_reduce_scatter_in_pieces(group: Group, lay: Layout, isl: _Island, words: Any, region: Any,
-                                           acc: Any, op: ReduceOp, early: bool
+                                           acc: Any, dtype: DType, op: ReduceOp, early: bool
                                            ) -> tuple[Any, Callable[[], Awaitable[None]]]:
     """The leaders' step of an ordered reduce_scatter where every leader holds a GPU, in pieces: per piece, the
     leaders swap the slices of their sums `acc` that the others keep (an all_to_all through pinned memory: each
     moves (k-1)/k of acc; with two leaders an all_gather of the one slice each sends, which moves the same bytes
     by the host's faster all_gather), and the stream reduces what arrives into `region` in leader order, on the
     device. The host does no arithmetic: in one piece with the host's reduction, reduce_scatter took as long as
-    all_reduce (0.5x its busbw, H100 2026-12-07)."""
+    all_reduce (0.5x its busbw, H100 2026-12-07). Pieces of a stage chunk of a block, as all_gather's; a stage
+    chunk across all the leaders' blocks left it at 0.45x all_reduce's busbw at 200 MiB."""
     n, me, isz = lay.leaders.size, lay.leaders.rank, region.element_size()
     blk = region.numel()
-    pieces = _leader_pieces(blk, isz)
-    dtype = as_device_buf(region).dtype
+    pieces = _chunk_elems(blk, isz)
     whole = acc.view(-1)
     spans = _SpanReduction(isl, region.view(-1), whole[me * blk:(me + 1) * blk], pieces, n, me, op)
     # the host buffer, piece-major: piece i's slot r at n * lo + r * (hi - lo) elements; with two leaders one

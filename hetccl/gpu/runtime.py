@@ -107,6 +107,14 @@ def record_event(stream: Any, device: int) -> Any:
     return ev
 
 
+def stream_waits(handle: int, device: int, event: Any) -> None:
+    """The raw stream `handle` of `device` waits for `event` (record_event's: a driver event, or a torch Event)."""
+    if hasattr(event, "ops"):
+        event.ops.wait_event(handle, event.handle)
+    else:
+        torch_stream(handle, device).wait_event(event)
+
+
 def torch_stream(handle: int, device: int) -> Any:
     """The torch Stream of a raw stream handle on `device`. Handle 0 is the legacy default stream, which torch
     calls the device's default stream: torch.cuda.ExternalStream(0) would hand back a fresh pool stream instead,

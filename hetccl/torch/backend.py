@@ -29,7 +29,7 @@ from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
 from hetccl.errors import ConfigError
 from hetccl.gpu import streamorder
-from hetccl.gpu.runtime import CALLER_STREAM, record_event, torch_stream, use_device
+from hetccl.gpu.runtime import CALLER_STREAM, record_event, stream_waits, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
 
 BACKEND_NAME = "hetccl"
@@ -347,11 +347,7 @@ class _EnqueuedWork(dist.Work):
             raise self._vc.broken
         current = _raw_stream(self._device)
         if current != self._stream:
-            ev = self._event
-            if hasattr(ev, "ops"):  # a driver event (runtime.record_event)
-                ev.ops.wait_event(current, ev.handle)
-            else:
-                torch_stream(current, self._device).wait_event(ev)
+            stream_waits(current, self._device, self._event)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -381,14 +377,6 @@ class _EnqueuedWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
-
-
-def _wait_for(stream: torch.cuda.Stream, event: Any) -> None:
-    """stream waits for `event` (runtime.record_event's: a driver event, or a torch Event)."""
-    if hasattr(event, "ops"):
-        event.ops.wait_event(stream.cuda_stream, event.handle)
-    else:
-        stream.wait_event(event)
 
 
 class _Kinds:
@@ -663,10 +651,10 @@ class HetcclBackend(dist.ProcessGroup):
                 # before planning (the plan may enqueue island steps at once); by driver calls where it can, some
                 # 15 us each less than torch's Stream.wait_stream
                 caller_done = record_event(caller.cuda_stream, stream.device_index)
-                _wait_for(stream, caller_done)
+                stream_waits(stream.cuda_stream, stream.device_index, caller_done)
                 early = self._early_stream(stream.device_index, bufs)
                 if early is not None:
-                    _wait_for(early, caller_done)
+                    stream_waits(early.cuda_stream, stream.device_index, caller_done)
                 planned = self._acomm.enqueue_ordered(name, args, kwargs, stream, early)
         except BaseException:
             self._kinds.leave("ordered")
