@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,6 +38,7 @@ from .gpu.dispatch import vendor_of
 from .gpu.runtime import (
     as_tensor,
     divide_inplace,
+    on_stream,
     reduce_inplace,
     reduce_into,
     stream_of,
@@ -60,6 +62,7 @@ class Layout:
     leaders: Group | None = None  # the group of the island leaders (None off leaders / single island)
     link: Any = None  # zero-copy link of the GPU leaders on one host (pair, or ring of 3+); False: none
     pair_link: bool | None = None  # _pair_link_applies, once known (it reads settings and records only)
+    scratch: dict = field(default_factory=dict)  # device scratch of ordered collectives, per stream (_Island)
 
     @property
     def single(self) -> bool:
@@ -107,15 +110,25 @@ def _deadline(group: Group) -> float:
 _ORDERED_INFLIGHT = 3  # chunks of an ordered all_reduce whose leaders' exchanges run at once (staging's slots)
 
 
-def _chunks(count: int, isz: int) -> list[tuple[int, int]]:
-    """The byte ranges of the leaders' chunked all_reduce: the same on every leader, whatever its memory."""
-    step = staging.STAGE_CHUNK // isz
-    return [(off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step)]
+_MOST_PIECES = 16  # past this many stage chunks, the leaders' chunks grow instead (_chunks)
 
 
-def _chunk_elems(count: int, isz: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def _chunks(count: int, isz: int) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of the leaders' chunked all_reduce (and of a block's pieces in the ordered all_gather and
+    reduce_scatter): the same on every leader, whatever its memory. Stage chunks, at most _MOST_PIECES of them:
+    each piece of an ordered collective costs its caller's thread four driver operations and its host side a
+    collective, and 50 pieces of 4 MiB held the thread 2.1 ms in a 200 MiB all_reduce (H100 shared by two
+    ranks, 2026-12-07)."""
+    per = -(-count * isz // _MOST_PIECES)
+    step = max(staging.STAGE_CHUNK, -(-per // 4096) * 4096) // isz
+    return tuple((off * isz, min(off + step, count) * isz) for off in range(0, max(count, 1), step))
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_elems(count: int, isz: int) -> tuple[tuple[int, int], ...]:
     """_chunks as element ranges (what the device side slices)."""
-    return [(lo // isz, hi // isz) for lo, hi in _chunks(count, isz)]
+    return tuple((lo // isz, hi // isz) for lo, hi in _chunks(count, isz))
 
 
 def first_hop(group: Group, b: Mem) -> Any:
@@ -611,7 +624,7 @@ def _link_all_reduce(group: Group, link: Any, stream: Any, b: DeviceBuf, rop: Re
     t = as_tensor(b)
     ev = link.enqueue_all_reduce(t, ReduceOp.SUM if rop == ReduceOp.AVG else rop, stream)
     if rop == ReduceOp.AVG:
-        with torch_mod().cuda.stream(stream):
+        with on_stream(stream):
             divide_inplace(t, group.size)
     return ev, "cross-island all_reduce", (CollOp.ALL_REDUCE, b.dtype, b.count, -1, rop)
 
@@ -621,7 +634,7 @@ def _link_all_gather(group: Group, link: Any, stream: Any, out: DeviceBuf, inp: 
     k = mine.numel()
     own = every[group.rank * k:(group.rank + 1) * k]
     if own.data_ptr() != mine.data_ptr():
-        with torch_mod().cuda.stream(stream):
+        with on_stream(stream):
             own.copy_(mine)
     return link.enqueue_all_gather(every, stream), "cross-island all_gather", (CollOp.ALL_GATHER, None, k)
 
@@ -631,7 +644,7 @@ def _link_reduce_scatter(group: Group, link: Any, stream: Any, out: DeviceBuf, i
     region, acc = as_tensor(out), as_tensor(inp)
     ev = link.enqueue_reduce_scatter(region, acc, ReduceOp.SUM if rop == ReduceOp.AVG else rop, stream)
     if rop == ReduceOp.AVG:
-        with torch_mod().cuda.stream(stream):
+        with on_stream(stream):
             divide_inplace(region, group.size)
     return ev, "cross-island reduce_scatter", (CollOp.REDUCE_SCATTER, None, out.count, -1, rop)
 
@@ -660,13 +673,20 @@ class _Island:
                 raise HetcclError("an ordered collective of an island of several ranks needs the island's vendor "
                                   "communicator (hierarchical.ordered_setup makes it first)")
         self._queue: list[Callable[[], None]] = []  # the device side, enqueued by enqueue() in this order
+        self._lay = lay
+        self.batch = streamorder.words_for(device).ops.batch()  # the Stages' copies and words, in queue order
 
     def later(self, fn: Callable[[], None]) -> None:
-        self._queue.append(fn)
+        """Later: fn(), which may launch work on the stream (the batch's operations before it go first)."""
+        self._queue.append(lambda: (self.batch.flush(), fn()))
+
+    def launching(self, then: Callable[[int], None]) -> Callable[[int], None]:
+        """A Stage's then(j) that launches work on the stream (the batch's operations go first)."""
+        return lambda j: (self.batch.flush(), then(j))
 
     def stage(self, words: Any, nbytes: int) -> Any:
-        """A pinned copy's Stage on this island's streams."""
-        return streamorder.Stage(words, self.stream, nbytes, self.later, self.early)
+        """A pinned copy's Stage on this island's streams (its copies and words go into the batch)."""
+        return streamorder.Stage(words, self.stream, nbytes, self._queue.append, self.batch, self.early)
 
     def run(self, name: str, t: Any, root: int = 0, op: ReduceOp = ReduceOp.SUM, inp: Any = None) -> None:
         """Later: the island's vendor collective `name` on the stream."""
@@ -677,24 +697,36 @@ class _Island:
         def enqueue() -> None:
             deadline = time.monotonic() + self.comm.settings.timeout  # the vendor watchdog's clock
             vc.run_now(lambda s: call(vc, s), stream, deadline, f"island {what}")
-        self._queue.append(enqueue)
+        self.later(enqueue)
 
     def copy(self, dst: Any, src: Any) -> None:
         """Later: dst <- src on the stream."""
-        self._queue.append(lambda: dst.copy_(src))
+        self.later(lambda: dst.copy_(src))
 
     def enqueue(self) -> None:
         queue, self._queue = self._queue, []  # its closures hold device tensors, and the host side holds this
         # object: a tensor's last reference must not go on the loop thread (freeing a block used on another stream
         # records CUDA events there, gpu/streamorder.py says why the loop makes no CUDA call)
-        with torch_mod().cuda.stream(self.stream):
+        with on_stream(self.stream):
             for fn in queue:
                 fn()
+            self.batch.flush()
 
     def empty_like(self, t: Any, count: int | None = None) -> Any:
         torch = torch_mod()
-        with torch.cuda.stream(self.stream):
+        with on_stream(self.stream):
             return torch.empty(t.numel() if count is None else count, dtype=t.dtype, device=t.device)
+
+    def scratch(self, t: Any, count: int, role: str) -> Any:
+        """`count` elements of t's dtype that only this stream uses, kept for the stream's next ordered
+        collective (in stream order, so never two at once): allocating them took 50-90 us of the caller's
+        thread per collective on an H100 shared by two ranks (2026-12-07). One buffer per role and dtype, grown
+        to the largest asked for; it goes with the communicator."""
+        key = (self.stream.cuda_stream, t.dtype, role)
+        held = self._lay.scratch.get(key)
+        if held is None or held.numel() < count:
+            held = self._lay.scratch[key] = self.empty_like(t, count)
+        return held[:count]
 
 
 def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
@@ -773,7 +805,7 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     starts = packed.starts if packed else [lo * isz for lo, _ in elems]
     src = t
     if packed is not None:
-        src = isl.empty_like(flat.view(torch_mod().uint8), packed.total)
+        src = isl.scratch(flat.view(torch_mod().uint8), packed.total, "packed")
         isl.later(lambda: packed.pack(src, flat))
     stage = isl.stage(words, k * sum(sizes))
     stage.to_host(src, [[(at, k * at + me * size, size)] for at, size in zip(starts, sizes, strict=True)],
@@ -785,18 +817,19 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
                                         for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
                         then=spans.landed)
     else:  # a span of chunks lands, then is unpacked and reduced in one pass (as _SpanReduction, for the launches)
-        span = min(_REDUCE_SPAN, len(sizes))  # chunks in scratch at once, reused: the stream is in order
-        scratch = isl.empty_like(flat.view(torch_mod().uint8), span * k * sizes[0])
+        span = _span(elems, isz)
+        scratch = isl.scratch(flat.view(torch_mod().uint8), min(span, len(sizes)) * k * sizes[0], "landed")
 
         def reduce_chunks(j: int) -> None:  # on the stream, once chunk j's blocks are back
-            j0 = _closed_span(j, len(sizes))
+            j0 = _closed_span(j, len(sizes), span)
             if j0 is None:
                 return
+            isl.batch.flush()  # the copies back before the kernels that read them
             packed.reduce_span(j0, j + 1, flat, scratch, inner, reduce_inplace)
             if rop == ReduceOp.AVG:
                 divide_inplace(flat[elems[j0][0]:elems[j][1]], group.size)
 
-        stage.from_host(scratch, [[((j % _REDUCE_SPAN) * k * sizes[0], k * at, k * size)]
+        stage.from_host(scratch, [[((j % span) * k * sizes[0], k * at, k * size)]
                                   for j, (at, size) in enumerate(zip(starts, sizes, strict=True))],
                         then=reduce_chunks)
     stage.seal()
@@ -810,28 +843,37 @@ def _plan_leaders_all_reduce_on_device(group: Group, lay: Layout, isl: _Island, 
     return stage, lambda: _in_flight(group, stage, len(sizes), gather, "cross-island all_reduce")
 
 
-_REDUCE_SPAN = 8  # pieces of an ordered collective reduced on the device by one kernel per leader
+_REDUCE_SPAN = 8  # stage chunks of an ordered collective reduced on the device by one kernel per leader
 
 
-def _closed_span(i: int, count: int) -> int | None:
-    """The first piece of the span that piece i (of `count`) closes, or None where the span goes on."""
-    return i - i % _REDUCE_SPAN if i % _REDUCE_SPAN == _REDUCE_SPAN - 1 or i == count - 1 else None
+def _span(pieces: Sequence[tuple[int, int]], isz: int) -> int:
+    """Pieces reduced together: _REDUCE_SPAN stage chunks' worth (pieces grow past a stage chunk in large
+    collectives, _chunks), at least one."""
+    lo, hi = pieces[0]
+    return max(1, _REDUCE_SPAN * staging.STAGE_CHUNK // max((hi - lo) * isz, 1))
+
+
+def _closed_span(i: int, count: int, span: int) -> int | None:
+    """The first piece of the span (of `span` pieces) that piece i (of `count`) closes, or None where the span
+    goes on."""
+    return i - i % span if i % span == span - 1 or i == count - 1 else None
 
 
 class _SpanReduction:
     """The device side of an ordered reduction between GPU leaders: the other leaders' slices of each piece are
     copied back into `scratch` (this leader's own slice stays where it is, in `own`), and once a span of
-    _REDUCE_SPAN pieces has landed, `dst` gets their reduction in leader order, with one kernel per leader over
+    pieces (_span) has landed, `dst` gets their reduction in leader order, with one kernel per leader over
     the whole span (so every leader computes the same bits). A kernel per piece cost each piece some 30 us of
     the caller's thread, which an ordered collective holds while it enqueues (H100, 2026-12-07); the scratch is
     (k - 1) spans, reused: the stream is in order."""
 
     def __init__(self, isl: _Island, dst: Any, own: Any, pieces: list[tuple[int, int]], k: int, me: int,
-                 op: ReduceOp, then: Callable[[Any], None] | None = None):
+                 op: ReduceOp, then: Callable[[Any], None] | None = None, span: int | None = None):
         self.dst, self.own, self.pieces, self.k, self.me, self.op, self.then = dst, own, pieces, k, me, op, then
-        self.isz = dst.element_size()
-        self.width = pieces[min(_REDUCE_SPAN, len(pieces)) - 1][1] - pieces[0][0]  # elements of the longest span
-        self.scratch = isl.empty_like(dst, (k - 1) * self.width)
+        self.isl, self.isz = isl, dst.element_size()
+        self.span = span or _span(pieces, self.isz)
+        self.width = pieces[min(self.span, len(pieces)) - 1][1] - pieces[0][0]  # elements of the longest span
+        self.scratch = isl.scratch(dst, (k - 1) * self.width, "span")
 
     def _row(self, r: int) -> int:
         """Leader r's span in scratch (the others' only: this leader's own slices stay in `own`)."""
@@ -839,14 +881,15 @@ class _SpanReduction:
 
     def at(self, i: int, r: int) -> int:
         """Byte offset in scratch of leader r's slice of piece i."""
-        first = self.pieces[i - i % _REDUCE_SPAN][0]
+        first = self.pieces[i - i % self.span][0]
         return (self._row(r) + self.pieces[i][0] - first) * self.isz
 
     def landed(self, i: int) -> None:
         """On the stream, once piece i's slices are back: the span's reduction after its last piece."""
-        first = _closed_span(i, len(self.pieces))
+        first = _closed_span(i, len(self.pieces), self.span)
         if first is None:
             return
+        self.isl.batch.flush()  # the copies back before the kernels that read them
         lo, hi = self.pieces[first][0], self.pieces[i][1]
         n = hi - lo
         parts = [self.own[lo:hi] if r == self.me else self.scratch[self._row(r):][:n] for r in range(self.k)]
@@ -1070,8 +1113,8 @@ def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any,
     pieces, slot = _packed_pieces(lay, kk, every.element_size(), wire)
     m = len(pieces)
     u8 = torch_mod().uint8
-    sent = isl.empty_like(every.view(u8), m * slot)
-    got = isl.empty_like(every.view(u8), m * n * slot)
+    sent = isl.scratch(every.view(u8), m * slot, "packed")
+    got = isl.scratch(every.view(u8), m * n * slot, "landed")
     isl.later(lambda: codec.pack_pieces(sent, own, pieces, slot, 1, 0, wire))
 
     def unpack(i: int) -> None:
@@ -1079,7 +1122,8 @@ def _plan_packed_all_gather(group: Group, lay: Layout, isl: _Island, words: Any,
 
     stage = isl.stage(words, m * slot + m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * slot, (i + 1) * slot) for i in range(m)]))
-    stage.from_host(got, [[(i * n * slot, m * slot + i * n * slot, n * slot)] for i in range(m)], then=unpack)
+    stage.from_host(got, [[(i * n * slot, m * slot + i * n * slot, n * slot)] for i in range(m)],
+                    then=isl.launching(unpack))
     stage.seal()
 
     def gather(i: int) -> Awaitable[None]:
@@ -1098,8 +1142,8 @@ def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: 
     pieces, slot = _packed_pieces(lay, kk, region.element_size(), wire)
     m = len(pieces)
     u8 = torch_mod().uint8
-    sent = isl.empty_like(region.view(u8), m * n * slot)
-    got = isl.empty_like(region.view(u8), m * n * slot)
+    sent = isl.scratch(region.view(u8), m * n * slot, "packed")
+    got = isl.scratch(region.view(u8), m * n * slot, "landed")
     isl.later(lambda: codec.pack_pieces(sent, acc, pieces, slot, n, kk, wire))
 
     def reduce(i: int) -> None:
@@ -1107,7 +1151,8 @@ def _plan_packed_reduce_scatter(group: Group, lay: Layout, isl: _Island, words: 
 
     stage = isl.stage(words, 2 * m * n * slot)
     stage.to_host(sent, streamorder.contiguous(0, [(i * n * slot, (i + 1) * n * slot) for i in range(m)]))
-    stage.from_host(got, [[(i * n * slot, (m + i) * n * slot, n * slot)] for i in range(m)], then=reduce)
+    stage.from_host(got, [[(i * n * slot, (m + i) * n * slot, n * slot)] for i in range(m)],
+                    then=isl.launching(reduce))
     stage.seal()
 
     def swap(i: int) -> Awaitable[None]:

@@ -1822,3 +1822,48 @@ int hccl_words_wait(const uint64_t *addrs, const uint32_t *gens, int n, const ui
         nanosleep(&pause, NULL);
     }
 }
+
+/* ---- a batch of stream operations --------------------------------------------------------------- */
+typedef int (*hccl_cu_copy_fn)(uint64_t dst, uint64_t src, size_t n, void *stream);
+typedef int (*hccl_cu_value_fn)(void *stream, uint64_t addr, uint32_t value, unsigned int flags);
+typedef int (*hccl_hip_copy_fn)(void *dst, const void *src, size_t n, int kind, void *stream);
+typedef int (*hccl_hip_write_fn)(void *stream, void *addr, uint32_t value, unsigned int flags);
+typedef int (*hccl_hip_wait_fn)(void *stream, void *addr, uint32_t value, unsigned int flags, uint32_t mask);
+
+#define HCCL_HIP_MEMCPY_DEFAULT 4
+
+int64_t hccl_stream_batch(const uint64_t *ops, int64_t n, int vendor, uint64_t copy_fn, uint64_t write_fn,
+                          uint64_t wait_fn, int *rc)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t *op = ops + 5 * i;
+        void *stream = (void *)(uintptr_t)op[1];
+        int r;
+        if (vendor == HCCL_VENDOR_CUDA) {
+            switch (op[0]) {
+            case HCCL_OP_COPY: r = ((hccl_cu_copy_fn)(uintptr_t)copy_fn)(op[2], op[3], (size_t)op[4], stream); break;
+            case HCCL_OP_WRITE: r = ((hccl_cu_value_fn)(uintptr_t)write_fn)(stream, op[2], (uint32_t)op[3], 0); break;
+            case HCCL_OP_WAIT: r = ((hccl_cu_value_fn)(uintptr_t)wait_fn)(stream, op[2], (uint32_t)op[3], 0); break;
+            default: r = -1;
+            }
+        } else {
+            void *a = (void *)(uintptr_t)op[2];
+            switch (op[0]) {
+            case HCCL_OP_COPY:
+                r = ((hccl_hip_copy_fn)(uintptr_t)copy_fn)(a, (const void *)(uintptr_t)op[3], (size_t)op[4],
+                                                           HCCL_HIP_MEMCPY_DEFAULT, stream);
+                break;
+            case HCCL_OP_WRITE: r = ((hccl_hip_write_fn)(uintptr_t)write_fn)(stream, a, (uint32_t)op[3], 0); break;
+            case HCCL_OP_WAIT:
+                r = ((hccl_hip_wait_fn)(uintptr_t)wait_fn)(stream, a, (uint32_t)op[3], 0, 0xFFFFFFFFu);
+                break;
+            default: r = -1;
+            }
+        }
+        if (r != 0) {
+            *rc = r;
+            return i;
+        }
+    }
+    return -1;
+}

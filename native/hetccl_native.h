@@ -224,3 +224,20 @@ void hccl_pump_free(hccl_pump *p);
 #define HCCL_WORDS_BUMPED -2
 int hccl_words_wait(const uint64_t *addrs, const uint32_t *gens, int n, const uint32_t *bump, uint32_t seen,
                     uint64_t pause_ns, uint64_t timeout_ns);
+
+/* ---- a batch of stream operations (hetccl/bindings/streamops.py StreamBatch) -------------------------
+ * hccl_stream_batch: enqueues n operations, each 5 uint64 in `ops` (kind, stream, a, b, c), through the GPU
+ * driver's own functions, given by address (so that this library links no GPU runtime): kind
+ * HCCL_OP_COPY copies c bytes from b to a (unified addresses), HCCL_OP_WRITE stores the 32-bit value b at
+ * device address a, HCCL_OP_WAIT makes the stream wait until the word at a reaches b (as int32, word - b
+ * >= 0). vendor HCCL_VENDOR_CUDA: cuMemcpyAsync, cuStreamWriteValue32(_v2), cuStreamWaitValue32(_v2);
+ * HCCL_VENDOR_HIP: hipMemcpyAsync, hipStreamWriteValue32, hipStreamWaitValue32. Stops at the first
+ * operation the driver refuses: returns its index and stores the driver's code in *rc; -1 when all went. One
+ * call, instead of a Python call per operation, for the few hundred an ordered collective enqueues. */
+#define HCCL_OP_COPY 0
+#define HCCL_OP_WRITE 1
+#define HCCL_OP_WAIT 2
+#define HCCL_VENDOR_CUDA 0
+#define HCCL_VENDOR_HIP 1
+int64_t hccl_stream_batch(const uint64_t *ops, int64_t n, int vendor, uint64_t copy_fn, uint64_t write_fn,
+                          uint64_t wait_fn, int *rc);

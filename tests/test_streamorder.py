@@ -73,16 +73,22 @@ def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me):
     from hetccl import hierarchical
     from hetccl.dtypes import ReduceOp
 
+    class NoBatch:  # the copies back are made by the test
+        def flush(self):
+            pass
+
     class CpuIsland:  # the plan's allocator for the stream, on the host
-        def empty_like(self, t, count=None):
-            return torch.full((t.numel() if count is None else count,), float("nan"), dtype=t.dtype)
+        batch = NoBatch()
+
+        def scratch(self, t, count, role):
+            return torch.full((count,), float("nan"), dtype=t.dtype)
 
     count = 19_300
     pieces = [(lo, min(lo + 1000, count)) for lo in range(0, count, 1000)]
     g = torch.Generator().manual_seed(k * 10 + me)
     blocks = [torch.randn(count, generator=g) * 1e3 for _ in range(k)]
     own = blocks[me].clone()
-    spans = hierarchical._SpanReduction(CpuIsland(), own, own, pieces, k, me, ReduceOp.SUM)
+    spans = hierarchical._SpanReduction(CpuIsland(), own, own, pieces, k, me, ReduceOp.SUM, span=8)
     u8 = spans.scratch.view(torch.uint8)
     for i, (lo, hi) in enumerate(pieces):
         for r in range(k):
@@ -90,9 +96,71 @@ def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me):
                 u8[spans.at(i, r):spans.at(i, r) + (hi - lo) * 4] = blocks[r][lo:hi].view(torch.uint8)
         before = own.clone()
         spans.landed(i)
-        last_of_span = i % hierarchical._REDUCE_SPAN == hierarchical._REDUCE_SPAN - 1 or i == len(pieces) - 1
+        last_of_span = i % spans.span == spans.span - 1 or i == len(pieces) - 1
         assert torch.equal(own, before) != last_of_span, f"piece {i}: {'never' if last_of_span else 'too early'}"
     want = blocks[0] + blocks[1]
     for b in blocks[2:]:
         want = want + b
     assert torch.equal(own, want)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_a_stream_batch_calls_the_driver_in_order_and_stops_at_the_first_refusal(vendor):
+    """bindings.streamops.StreamBatch and native hccl_stream_batch, with C callbacks in the driver's place
+    (their signatures as CUDA's and HIP's): every copy, word store and word wait reaches its function in
+    order with its arguments, and the first one refused stops the batch with its index and code."""
+    from hetccl import native
+    from hetccl.bindings import streamops
+
+    ffi, calls = native.ffi, []
+    refuse = {"at": -1}
+
+    def answer(*call):
+        calls.append(call)
+        return 7 if len(calls) - 1 == refuse["at"] else 0
+
+    if vendor == "cuda":
+        copy = ffi.callback("int(uint64_t, uint64_t, size_t, void *)",
+                            lambda d, s, n, st: answer("copy", d, s, n, int(ffi.cast("uintptr_t", st))))
+        write = ffi.callback("int(void *, uint64_t, uint32_t, unsigned int)",
+                             lambda st, a, v, f: answer("write", int(ffi.cast("uintptr_t", st)), a, v, f))
+        wait = ffi.callback("int(void *, uint64_t, uint32_t, unsigned int)",
+                            lambda st, a, v, f: answer("wait", int(ffi.cast("uintptr_t", st)), a, v, f))
+    else:
+        def addr(p):
+            return int(ffi.cast("uintptr_t", p))
+
+        copy = ffi.callback("int(void *, void *, size_t, int, void *)",
+                            lambda d, s, n, kind, st: answer("copy", addr(d), addr(s), n, addr(st), kind))
+        write = ffi.callback("int(void *, void *, uint32_t, unsigned int)",
+                             lambda st, a, v, f: answer("write", addr(st), addr(a), v, f))
+        wait = ffi.callback("int(void *, void *, uint32_t, unsigned int, uint32_t)",
+                            lambda st, a, v, f, mask: answer("wait", addr(st), addr(a), v, f, mask))
+
+    ops = object.__new__(streamops.StreamOps)  # the driver's functions are the callbacks above
+    ops.vendor, ops.ffi = vendor, ffi
+    ops._batch_fns = tuple(int(ffi.cast("uintptr_t", f)) for f in (copy, write, wait))
+    batch = ops.batch()
+    batch.copy(0x1000, 0x2000, 4096, 11)
+    batch.write(11, 0x3000, (1 << 32) + 5)  # a generation past 32 bits wraps as the word does
+    batch.wait_geq(12, 0x3004, 9)
+    batch.copy(0x2000, 0x1000, 1 << 33, 12)
+    assert len(batch) == 4
+    batch.flush()
+    assert len(batch) == 0
+    hip = vendor == "hip"
+    assert calls == [("copy", 0x1000, 0x2000, 4096, 11) + ((4,) if hip else ()),
+                     ("write", 11, 0x3000, 5, 0),
+                     ("wait", 12, 0x3004, 9, 0) + ((0xFFFFFFFF,) if hip else ()),
+                     ("copy", 0x2000, 0x1000, 1 << 33, 12) + ((4,) if hip else ())]
+    batch.flush()  # nothing left: no call
+    assert len(calls) == 4
+
+    calls.clear()
+    refuse["at"] = 1
+    items = [streamops.BATCH_COPY, 1, 2, 3, 4, streamops.BATCH_WAIT, 1, 2, 3, 0, streamops.BATCH_WRITE, 1, 2, 3, 0]
+    arr = np.array(items, dtype=np.uint64)
+    rc = ffi.new("int *")
+    failed = native.lib.hccl_stream_batch(ffi.cast("uint64_t *", arr.ctypes.data), 3, 1 if hip else 0,
+                                          *ops._batch_fns, rc)
+    assert (failed, rc[0], len(calls)) == (1, 7, 2)  # the third never went

@@ -12,10 +12,11 @@ with the reason when they cannot be used; callers then fall back to CPU-signalle
 
 from __future__ import annotations
 
+import array
 import threading
 from typing import Any
 
-from .. import params
+from .. import native, params
 from ..errors import TransportError
 
 CDEF = r"""
@@ -74,11 +75,14 @@ class StreamOps:
         self.vendor, self.ffi, self.lib = vendor, ffi, lib
         # None where the driver lacks them: load_streamops() refuses such a driver, load_driver() does not
         if vendor == "cuda":
-            self._wait = _first(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
-            self._write = _first(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+            self._wait_name = _first_name(lib, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+            self._write_name = _first_name(lib, "cuStreamWriteValue32_v2", "cuStreamWriteValue32")
         else:
-            self._wait = _first(lib, "hipStreamWaitValue32")
-            self._write = _first(lib, "hipStreamWriteValue32")
+            self._wait_name = _first_name(lib, "hipStreamWaitValue32")
+            self._write_name = _first_name(lib, "hipStreamWriteValue32")
+        self._wait = getattr(lib, self._wait_name) if self._wait_name else None
+        self._write = getattr(lib, self._write_name) if self._write_name else None
+        self._batch_fns: tuple[int, int, int] | None = None  # the driver's addresses for hccl_stream_batch
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -125,6 +129,29 @@ class StreamOps:
             rc = self.lib.hipMemcpyAsync(self.ffi.cast("void *", dst), self.ffi.cast("void *", src), nbytes,
                                          HIP_MEMCPY_DEFAULT, self.ffi.cast("void *", stream))
         self._check(rc, f"async copy of {nbytes} bytes")
+
+    def batch(self) -> StreamBatch:
+        """An empty batch of copies and word operations, enqueued by one native call at its flush()."""
+        return StreamBatch(self)
+
+    def run_batch(self, items: list[int]) -> None:
+        """Enqueue a StreamBatch's operations (5 integers each), in order; the first the driver refuses
+        raises TransportError, the ones before it enqueued."""
+        fns = self._batch_fns
+        if fns is None:
+            if self._wait_name is None or self._write_name is None:
+                raise Unavailable("the GPU driver lacks stream memory operations")
+            copy = "cuMemcpyAsync" if self.vendor == "cuda" else "hipMemcpyAsync"
+            fns = self._batch_fns = tuple(int(self.ffi.cast("uintptr_t", self.ffi.addressof(self.lib, name)))
+                                          for name in (copy, self._write_name, self._wait_name))
+        ops = array.array("Q", items)
+        rc = native.ffi.new("int *")
+        failed = native.lib.hccl_stream_batch(native.ffi.cast("uint64_t *", ops.buffer_info()[0]), len(ops) // 5,
+                                              0 if self.vendor == "cuda" else 1, *fns, rc)
+        if failed >= 0:
+            kind, nbytes = items[5 * failed], items[5 * failed + 4]
+            self._check(rc[0], f"async copy of {nbytes} bytes" if kind == BATCH_COPY else
+                        "stream write of a host counter" if kind == BATCH_WRITE else "stream wait on a host counter")
 
     def event(self) -> int:
         """A new event (timing disabled) in the calling thread's current context (destroy with drop)."""
@@ -178,6 +205,41 @@ class StreamOps:
             self.lib.hipEventDestroy(self.ffi.cast("void *", event))
 
 
+BATCH_COPY, BATCH_WRITE, BATCH_WAIT = 0, 1, 2  # hccl_stream_batch's kinds (native/hetccl_native.h)
+
+
+class StreamBatch:
+    """Copies, word stores and word waits collected in order and enqueued by one native call
+    (hccl_stream_batch) at flush(): an ordered collective enqueues four a piece, and a Python call each cost its
+    caller's thread 3-9 us on an H100 shared by two ranks, against the driver's own 1.5-2 us (2026-12-07,
+    200 MiB all_reduce: 1.3 ms of enqueueing). Work enqueued otherwise (kernels, events) must come after a
+    flush() of what was collected before it."""
+
+    __slots__ = ("_ops", "_items")
+
+    def __init__(self, ops: StreamOps):
+        self._ops = ops
+        self._items: list[int] = []
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._items += (BATCH_COPY, stream, dst, src, nbytes)
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        self._items += (BATCH_WRITE, stream, addr, value & 0xFFFFFFFF, 0)
+
+    def wait_geq(self, stream: int, addr: int, value: int) -> None:
+        self._items += (BATCH_WAIT, stream, addr, value & 0xFFFFFFFF, 0)
+
+    def __len__(self) -> int:
+        return len(self._items) // 5
+
+    def flush(self) -> None:
+        items = self._items
+        if items:
+            self._items = []
+            self._ops.run_batch(items)
+
+
 class RawEvent:
     """A StreamOps event with the query() of a torch Event (what runtime.wait_event polls); an owned one is
     destroyed with this object, or handed back to `pool` for the next record (creating one costs microseconds
@@ -202,11 +264,17 @@ class RawEvent:
 
 
 def _first(lib: Any, *names: str) -> Any:
+    name = _first_name(lib, *names)
+    return None if name is None else getattr(lib, name)
+
+
+def _first_name(lib: Any, *names: str) -> str | None:
     for n in names:
         try:
-            return getattr(lib, n)
+            getattr(lib, n)
         except AttributeError:
             continue
+        return n
     return None
 
 
