@@ -1,18 +1,22 @@
-"""Where the caller's thread goes in a blocking cross-island collective: 16 MiB fp32 all_reduce, reduce_scatter,
-all_gather and broadcast, each behind ~8 ms of matmuls queued on the current stream, two GPU islands on one GPU.
+"""Where the caller's thread goes in a blocking cross-island collective: fp32 all_reduce, reduce_scatter,
+all_gather and broadcast (16 MiB, or --sizes), each behind ~8 ms of matmuls queued on the current stream, two
+GPU islands on one GPU.
 
     HETCCL_HOST=h0,h1 torchrun --standalone --nproc-per-node 2 benchmarks/held_probe.py      # the GPU machine
+    HETCCL_HOST=h0,h1 torchrun ... benchmarks/held_probe.py --modes "as is" --sizes 16,64,200   # held by size
 
-Per op, rank 0 prints the median time the blocking call keeps the thread (12 calls) in four modes: as is; after
-a 3 ms pause (leftover work of hetccl's loop thread would finish in it); with a 0.1 ms GIL switch interval (a
-thread holding the GIL would give it up sooner); under cProfile. It also prints the mean time per call spent in
-the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (planning) and
+Per op and size (MiB: the buffer of all_reduce and broadcast, reduce_scatter's input, all_gather's output),
+rank 0 prints the median time the blocking call keeps the thread (12 calls) in four modes (--modes): as is;
+after a 3 ms pause (leftover work of hetccl's loop thread would finish in it); with a 0.1 ms GIL switch interval
+(a thread holding the GIL would give it up sooner); under cProfile. It also prints the mean time per call spent
+in the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (planning) and
 `_Island.enqueue` (the device side), the Work's constructor and wait) and cProfile's cumulative listing of the
 hetccl, torch.cuda and torch.distributed functions. Without HETCCL_HOST the islands meet over the zero-copy link.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import cProfile
 import io
@@ -33,7 +37,8 @@ from hetccl.torch import backend
 RANK = int(os.environ.get("RANK", "0"))
 
 SPENT: dict[str, float] = collections.defaultdict(float)
-CALLS, MATMULS, COUNT = 12, 25, 4 << 20
+CALLS, MATMULS = 12, 25
+MODES = ("as is", "3 ms pause", "switch 0.1 ms", "cProfile")
 
 
 def timed(owner: Any, name: str) -> None:
@@ -50,6 +55,14 @@ def timed(owner: Any, name: str) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--sizes", default="16", help="comma list of sizes in MiB")
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"unknown mode {m!r}")
     os.environ["HETCCL_ISLAND"] = f"nvidia-{RANK}"  # each rank its own island
     for owner, name in [(backend.HetcclBackend, "_launch_ordered"), (backend._EnqueuedWork, "__init__"),
                         (backend._EnqueuedWork, "wait"), (hierarchical, "enqueue_ordered"),
@@ -61,14 +74,18 @@ def main() -> None:
     n = dist.get_world_size()
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    full, part = torch.ones(COUNT, device=dev), torch.ones(COUNT // n, device=dev)
-    out_full, out_part = torch.empty(COUNT, device=dev), torch.empty(COUNT // n, device=dev)
-    ops: dict[str, Callable[..., Any]] = {
-        "all_reduce": lambda **kw: dist.all_reduce(full, **kw),
-        "reduce_scatter": lambda **kw: dist.reduce_scatter_tensor(out_part, full, **kw),
-        "all_gather": lambda **kw: dist.all_gather_into_tensor(out_full, part, **kw),
-        "broadcast": lambda **kw: dist.broadcast(full, 0, **kw),
-    }
+    ops: dict[str, Callable[..., Any]] = {}
+    for mib in (float(x) for x in args.sizes.split(",")):
+        count = int(mib * (1 << 18)) // n * n  # fp32 elements
+        full, part = torch.ones(count, device=dev), torch.ones(count // n, device=dev)
+        out_full, out_part = torch.empty(count, device=dev), torch.empty(count // n, device=dev)
+        ops.update({
+            f"all_reduce {mib:g} MiB": lambda full=full, **kw: dist.all_reduce(full, **kw),
+            f"reduce_scatter {mib:g} MiB":
+                lambda full=full, o=out_part, **kw: dist.reduce_scatter_tensor(o, full, **kw),
+            f"all_gather {mib:g} MiB": lambda o=out_full, p=part, **kw: dist.all_gather_into_tensor(o, p, **kw),
+            f"broadcast {mib:g} MiB": lambda full=full, **kw: dist.broadcast(full, 0, **kw),
+        })
     for name, call in ops.items():
         for _ in range(3):
             call()
@@ -76,7 +93,7 @@ def main() -> None:
         held: dict[str, float] = {}
         parts: dict[str, float] = {}
         listing = ""
-        for mode in ("as is", "3 ms pause", "switch 0.1 ms", "cProfile"):
+        for mode in modes:
             times = []
             SPENT.clear()
             prof = cProfile.Profile() if mode == "cProfile" else None
