@@ -10,8 +10,9 @@ rank 0 prints the median time the blocking call keeps the thread (12 calls) in f
 after a 3 ms pause (leftover work of hetccl's loop thread would finish in it); with a 0.1 ms GIL switch interval
 (a thread holding the GIL would give it up sooner); under cProfile. It also prints the mean time per call spent
 in the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (planning) and
-`_Island.enqueue` (the device side), the Work's constructor and wait) and cProfile's cumulative listing of the
-hetccl, torch.cuda and torch.distributed functions. Without HETCCL_HOST the islands meet over the zero-copy link.
+`_Island.enqueue` (the device side), the Work's constructor and wait; with --fine, their steps down to the
+driver calls) and cProfile's cumulative listing of the hetccl, torch.cuda and torch.distributed functions.
+Without HETCCL_HOST the islands meet over the zero-copy link.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import pstats
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,23 +43,51 @@ CALLS, MATMULS = 12, 25
 MODES = ("as is", "3 ms pause", "switch 0.1 ms", "cProfile")
 
 
-def timed(owner: Any, name: str) -> None:
+MAIN = threading.get_ident()
+
+
+def timed(owner: Any, name: str, label: str | None = None) -> None:
+    """Time owner.name on the caller's thread (not on hetccl's loop) under `label`."""
     fn = getattr(owner, name)
+    label = label or name
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != MAIN:
+            return fn(*args, **kwargs)
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[name] += time.perf_counter() - t0
+            SPENT[label] += time.perf_counter() - t0
 
     setattr(owner, name, wrapper)
+
+
+def fine_targets() -> list[tuple[Any, str]]:
+    """--fine: the ordered launch's steps down to the driver calls and torch's contexts (each wrapper adds about
+    a microsecond to the held time)."""
+    from hetccl import communicator
+    from hetccl.bindings import streamops
+    from hetccl.gpu import streamorder
+
+    return [(backend.HetcclBackend, "_collective_stream"), (backend._Kinds, "enter"), (backend, "record_event"),
+            (backend, "stream_waits"), (backend, "_cuda_devices"), (backend, "_Staged"),
+            (communicator.Communicator, "enqueue_ordered"), (communicator.Communicator, "_device_call"),
+            (hierarchical._Island, "__init__"), (hierarchical._Island, "scratch"),
+            (hierarchical._SpanReduction, "__init__"), (hierarchical._SpanReduction, "landed"),
+            (hierarchical, "_plan_leaders_all_reduce_on_device"), (hierarchical, "_plan_leaders_all_gather_in_pieces"),
+            (hierarchical, "_plan_leaders_reduce_scatter_in_pieces"), (hierarchical, "reduce_into"),
+            (streamorder.Stage, "__init__"), (streamorder.Stage, "to_host"), (streamorder.Stage, "from_host"),
+            (streamorder.Stage, "seal"), (streamorder.Words, "pinned"), (streamorder.Words, "take"),
+            (streamops.StreamOps, "run_batch"), (streamops.StreamOps, "record"), (streamops.StreamOps, "wait_event"),
+            (torch.Tensor, "record_stream"), (torch.cuda.StreamContext, "__enter__")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--sizes", default="16", help="comma list of sizes in MiB")
+    ap.add_argument("--fine", action="store_true", help="also time the steps below (fine_targets)")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
@@ -68,6 +98,8 @@ def main() -> None:
                         (backend._EnqueuedWork, "wait"), (hierarchical, "enqueue_ordered"),
                         (hierarchical._Island, "enqueue"), (backend.HetcclBackend, "_early_stream")]:
         timed(owner, name)
+    for owner, name in fine_targets() if args.fine else []:
+        timed(owner, name, f"{getattr(owner, '__name__', owner)}.{name}")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("hetccl", device_id=dev)
@@ -117,7 +149,7 @@ def main() -> None:
             sys.setswitchinterval(0.005)
             held[mode] = round(statistics.median(times), 3)
             if mode == "as is":
-                parts = {k: round(v / CALLS * 1e3, 3) for k, v in SPENT.items()}
+                parts = {k: round(v / CALLS * 1e3, 3) for k, v in sorted(SPENT.items(), key=lambda kv: -kv[1])}
             if prof is not None:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("hetccl|torch/cuda|distributed",
