@@ -726,7 +726,7 @@ class _Island:
         held = self._lay.scratch.get(key)
         if held is None or held.numel() < count:
             held = self._lay.scratch[key] = self.empty_like(t, count)
-        return held[:count]
+        return _part(held, 0, count)
 
 
 def _host(stage: Any, b: DeviceBuf, at: int, count: int) -> Buf:
@@ -892,8 +892,10 @@ class _SpanReduction:
         self.isl.batch.flush()  # the copies back before the kernels that read them
         lo, hi = self.pieces[first][0], self.pieces[i][1]
         n = hi - lo
-        parts = [self.own[lo:hi] if r == self.me else self.scratch[self._row(r):][:n] for r in range(self.k)]
-        dst = self.dst[lo:hi]  # may be `own` itself (all_reduce): the leaders before this one sum in scratch first
+        parts = [_part(self.own, lo, hi) if r == self.me else _part(self.scratch, self._row(r), self._row(r) + n)
+                 for r in range(self.k)]
+        # dst may be `own` itself (all_reduce): the leaders before this one sum in scratch first
+        dst = _part(self.dst, lo, hi)
         head = parts[0]
         for p in parts[1:self.me]:
             reduce_inplace(head, p, self.op)
@@ -902,6 +904,13 @@ class _SpanReduction:
             reduce_inplace(dst, p, self.op)
         if self.then is not None:
             self.then(dst)
+
+
+def _part(t: Any, lo: int, hi: int) -> Any:
+    """t[lo:hi], or t itself where that is all of it (a slice costs the caller's thread of an ordered collective
+    2-19 us on an H100 shared by two ranks, 2026-12-07, and a collective of up to 8 stage chunks reduces whole
+    tensors)."""
+    return t if lo == 0 and hi == t.numel() else t[lo:hi]
 
 
 async def _in_flight(group: Group, stage: Any, count: int, piece: Callable[[int], Awaitable[None]], what: str) -> None:

@@ -63,12 +63,13 @@ async def test_until_times_out_and_the_watcher_goes_on():
     await streamorder.until(words, (1, 1), loop.time() + 10, "stored later")
 
 
-@pytest.mark.parametrize("k,me", [(2, 0), (2, 1), (3, 1), (4, 3)])
-def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me):
+@pytest.mark.parametrize("k,me,span", [(2, 0, 8), (2, 1, 8), (3, 1, 8), (4, 3, 8), (2, 0, 32), (2, 1, 32), (3, 2, 32)])
+def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me, span):
     """The ordered reductions' device side (hierarchical._SpanReduction), run on CPU tensors: the other
     leaders' slices copied where `at` says, a span of pieces reduced after its last piece (not before), and
     the result the leader-order sum of every block bit for bit (what the host-side reference and every other
-    leader compute). 19 pieces of 1,000 and a short last one: two full spans and a short one."""
+    leader compute). 19 pieces of 1,000 and a short last one: two full spans of 8 and a short one, or one span of
+    the whole tensors."""
     torch = pytest.importorskip("torch")
     from hetccl import hierarchical
     from hetccl.dtypes import ReduceOp
@@ -88,7 +89,7 @@ def test_span_reduction_lands_each_piece_and_reduces_in_leader_order(k, me):
     g = torch.Generator().manual_seed(k * 10 + me)
     blocks = [torch.randn(count, generator=g) * 1e3 for _ in range(k)]
     own = blocks[me].clone()
-    spans = hierarchical._SpanReduction(CpuIsland(), own, own, pieces, k, me, ReduceOp.SUM, span=8)
+    spans = hierarchical._SpanReduction(CpuIsland(), own, own, pieces, k, me, ReduceOp.SUM, span=span)
     u8 = spans.scratch.view(torch.uint8)
     for i, (lo, hi) in enumerate(pieces):
         for r in range(k):

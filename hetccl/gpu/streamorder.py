@@ -93,7 +93,7 @@ class Words:
         """A pinned buffer of at least nbytes that no stream nor host side still uses (caller's thread)."""
         torch = torch_mod()
         with self._lock:
-            free = [p for p in self._pool if p.idle(self) and p.nbytes >= nbytes]
+            free = [p for p in self._pool if p.nbytes >= nbytes and p.idle(self)]  # the size first: it is cheaper
             if free:
                 p = min(free, key=lambda q: q.nbytes)
                 p.released, p.end = False, None
