@@ -13,7 +13,8 @@ to the host read the caller's data untouched by this collective, they may go on 
 collective's copies out run while the one before it still waits for its host step, as with the loop's separate
 copy streams, and its end word follows them.)
 
-The words are 32-bit, in host memory mapped for the GPU (stream memory operations, bindings/streamops.py).
+The words are 32-bit, in host memory mapped for the GPU (stream memory operations, bindings/streamops.py). A
+Stage's copies and words go into its island's StreamBatch, enqueued by one native call per flush.
 Why the loop thread makes no CUDA call at all: with lazy module loading (CUDA's default), the first launch of
 a kernel takes the context's lock and waits for the GPU to drain; a held stream drains only when the loop
 thread stores its word, and a loop thread that made any CUDA call then would wait for that lock. On one H200
