@@ -179,6 +179,11 @@ def case_ops(dtype_name: str) -> None:
         _eq(out, want_rs, "large reduce_scatter_tensor")
         REDUCE_SCATTER_TENSOR(src[r * m:(r + 1) * m], src)
         _eq(src[r * m:(r + 1) * m], want_rs, "large reduce_scatter_tensor in place")
+        # past 16 stage chunks the pieces grow (hierarchical._chunks): 64.9 MiB in 16 pieces of 4.05 MiB, the last
+        # short, reduced in spans of 7
+        t = (torch.arange(17_000_003) % 977 + r).to(dt)
+        dist.all_reduce(t)
+        _eq(t, (torch.arange(17_000_003) % 977 * n + n * (n - 1) // 2).to(dt), "all_reduce past 16 stage chunks")
 
     # broadcast, reduce from every root
     for root in range(n):
