@@ -65,7 +65,7 @@ def main() -> None:
     words.store(w)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    cs, pd, sd, wd = ops.ffi.cast("CUstream", hs), pin.data_ptr(), src.data_ptr(), words.at + 4 * w[0]
+    cs, pd, sd, wd = ops.ffi.cast("CUstream", hs), pin.data_ptr(), src.data_ptr(), words.address(w)
     ev = runtime.record_event(hs, 0)
 
     async def nop() -> int:

@@ -578,7 +578,7 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any,
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
         if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None:
             return _link_ordered(group, name, lay.link, words, stream, args)
-    island = _Island(group, lay, bufs[0].device, stream, early)
+    island = _Island(group, lay, words, stream, early)
     stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
     return Ordered(_host_side(group, name, stage, body, fingerprint), island.enqueue,
                    lambda: stage is not None and stage.finish(False), island.comm is not None)
@@ -658,7 +658,7 @@ class _Island:
     """This rank's island step on the caller's stream: its vendor CCL's collectives enqueued from the caller's
     thread (none for an island of one rank), and scratch for that stream."""
 
-    def __init__(self, group: Group, lay: Layout, device: int, stream: Any, early: Any = None):
+    def __init__(self, group: Group, lay: Layout, words: streamorder.Words, stream: Any, early: Any = None):
         self.comm = lay.island_comm if len(lay.my_members) > 1 else None  # (a split of one rank does nothing)
         self.stream = stream
         # copies out of the caller's data may go on `early` (streamorder.Stage.to_host) where no island step
@@ -668,13 +668,13 @@ class _Island:
         self.index = lay.my_members.index(group.rank)
         self.vc = None
         if self.comm is not None:
-            self.vc = self.comm.vendor_comm(device)
+            self.vc = self.comm.vendor_comm(words.device)
             if self.vc is None:
                 raise HetcclError("an ordered collective of an island of several ranks needs the island's vendor "
                                   "communicator (hierarchical.ordered_setup makes it first)")
         self._queue: list[Callable[[], None]] = []  # the device side, enqueued by enqueue() in this order
         self._lay = lay
-        self.batch = streamorder.words_for(device).ops.batch()  # the Stages' copies and words, in queue order
+        self.batch = words.ops.batch()  # the Stages' copies and words, in queue order
 
     def later(self, fn: Callable[[], None]) -> None:
         """Later: fn(), which may launch work on the stream (the batch's operations before it go first)."""

@@ -62,8 +62,7 @@ class Words:
             err = torch.cuda.cudart().cudaHostRegister(ptr, WORDS * 4, 3)  # portable | mapped
             if int(err) != 0:
                 raise TransportError(f"cudaHostRegister of the stream-order words failed (error {int(err)})")
-            self._dev = ops.device_pointer(ptr)
-        self.at = self._dev  # the device address of slot 0 (a StreamBatch's word operations take addresses)
+            self._dev = ops.device_pointer(ptr)  # the device address of slot 0
         self._next = 0
         self._lock = threading.Lock()
         self._pool: list[_Pinned] = []
@@ -82,13 +81,17 @@ class Words:
     def store(self, word: tuple[int, int]) -> None:
         self.host[word[0]] = word[1]
 
+    def address(self, word: tuple[int, int]) -> int:
+        """The device address of the word's slot (what stream memory operations take)."""
+        return self._dev + 4 * word[0]
+
     def signal(self, stream: int, word: tuple[int, int]) -> None:
         """Enqueue on `stream`: store the word once the stream gets there."""
-        self.ops.write(stream, self._dev + 4 * word[0], word[1])
+        self.ops.write(stream, self.address(word), word[1])
 
     def hold(self, stream: int, word: tuple[int, int]) -> None:
         """Enqueue on `stream`: go on only once the word is reached."""
-        self.ops.wait_geq(stream, self._dev + 4 * word[0], word[1])
+        self.ops.wait_geq(stream, self.address(word), word[1])
 
     def pinned(self, nbytes: int) -> _Pinned:
         """A pinned buffer of at least nbytes that no stream nor host side still uses (caller's thread)."""
@@ -314,11 +317,12 @@ class Stage:
         self._early_used |= on is not self.stream
 
         def enqueue() -> None:  # copies by address, into the batch: no torch dispatch nor Python call per piece
-            batch, stream, host, dev, at = self.batch, on.cuda_stream, self._buf.ptr, src.data_ptr(), self.words.at
-            for piece, (slot, gen) in zip(pieces, words, strict=True):
+            batch, stream, host, dev, address = self.batch, on.cuda_stream, self._buf.ptr, src.data_ptr(), \
+                self.words.address
+            for piece, w in zip(pieces, words, strict=True):
                 for d, h, nb in piece:
                     batch.copy(host + h, dev + d, nb, stream)
-                batch.write(stream, at + 4 * slot, gen)
+                batch.write(stream, address(w), w[1])
         self._later(enqueue)
 
     def from_host(self, dst: Any, pieces: list[list[Copy]], then: Callable[[int], None] | None = None) -> None:
@@ -329,10 +333,10 @@ class Stage:
         self._releases += words
 
         def enqueue() -> None:
-            batch, stream, host, dev, at = self.batch, self.stream.cuda_stream, self._buf.ptr, dst.data_ptr(), \
-                self.words.at
-            for j, (piece, (slot, gen)) in enumerate(zip(pieces, words, strict=True)):
-                batch.wait_geq(stream, at + 4 * slot, gen)
+            batch, stream, host, dev, address = self.batch, self.stream.cuda_stream, self._buf.ptr, dst.data_ptr(), \
+                self.words.address
+            for j, (piece, w) in enumerate(zip(pieces, words, strict=True)):
+                batch.wait_geq(stream, address(w), w[1])
                 for d, h, nb in piece:
                     batch.copy(dev + d, host + h, nb, stream)
                 if then is not None:
@@ -349,7 +353,7 @@ class Stage:
             if early is not None:  # the end follows the early copies too, whatever the host side did
                 self.batch.flush()
                 self.stream.wait_stream(early)
-            self.batch.write(self.stream.cuda_stream, self.words.at + 4 * end[0], end[1])
+            self.batch.write(self.stream.cuda_stream, self.words.address(end), end[1])
         self._later(enqueue)
 
     async def arrived(self, i: int, deadline: float, what: str) -> None:
