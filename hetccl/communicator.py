@@ -275,10 +275,22 @@ class Communicator(Group):
                         early: Any = None) -> Any:
         """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
         the methods take them) whose device side the calling thread enqueues on `stream` now (its copies out of
-        the caller's data on `early`, where given: hierarchical.enqueue_ordered); returns the
-        coroutine of its host side, to run on hetccl's loop (the stream waits for it: gpu/streamorder.py), or
-        None where the loop must do it all (one island, host memory, layouts that hierarchical.enqueue_ordered
-        leaves to the loop). Run `ordered_setup`'s coroutine first."""
+        the caller's data on `early`, where given: hierarchical.enqueue_ordered); returns its
+        hierarchical.Ordered parts: the coroutine of its host side, to run on hetccl's loop (the stream waits for
+        it: gpu/streamorder.py), and the device side to enqueue; or None where the loop must do it all (one
+        island, host memory, layouts that hierarchical.enqueue_ordered leaves to the loop). Run
+        `ordered_setup`'s coroutine first."""
+        plan = self._ordered_plan(name, args, kwargs)
+        return None if plan is None else plan(stream, early)
+
+    def defer_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> hierarchical.Deferred | None:
+        """enqueue_ordered, with its arguments checked and the decision taken now, and its planning and device
+        side left to another thread (hierarchical.Deferred): submit its host_side() to the loop at once, then
+        call its plan(stream, early) from that thread."""
+        plan = self._ordered_plan(name, args, kwargs)
+        return None if plan is None else hierarchical.Deferred(self, name, plan)
+
+    def _ordered_plan(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if name not in _ORDERED_ARGS:
             return None
         tensors = args[:2] if name in ("all_gather", "reduce_scatter") else args[:1]
@@ -288,7 +300,7 @@ class Communicator(Group):
         bufs, root, op = self._device_call(name, args, kwargs)
         for b in bufs:
             check_device_label(self._labels[self.rank], b, self.rank, self._members[self.rank])
-        return hierarchical.enqueue_ordered(self, name, _ORDERED_ARGS[name](bufs, root, op), stream, early)
+        return hierarchical.ordered_plan(self, name, _ORDERED_ARGS[name](bufs, root, op))
 
     def ordered_setup(self, device: int) -> Any:
         """The coroutine to run on the loop, with no ordered collective in flight, before the first ordered

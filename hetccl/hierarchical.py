@@ -19,6 +19,7 @@ schedule does not depend on the memory type or the transport: the flat groups be
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 
 from . import compress, native
 from .dtypes import Buf, DType, ReduceOp, as_buf
-from .errors import ConfigError, HetcclError
+from .errors import CollectiveTimeout, ConfigError, HetcclError
 from .gpu import codec, dispatch, pairlink, ringlink, staging, streamorder
 from .gpu.buffers import DeviceBuf, as_device_buf
 from .gpu.dispatch import vendor_of
@@ -560,6 +561,14 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any,
     them) on `stream`: its Ordered parts. `early`, a stream that waits for the caller's but not for `stream`,
     may take the copies out of the caller's data (streamorder.Stage.to_host). None where this layout or device
     cannot (then the loop does it all: decided from the layout and the call alone, so on every rank alike)."""
+    plan = ordered_plan(group, name, args)
+    return None if plan is None else plan(stream, early)
+
+
+def ordered_plan(group: Group, name: str, args: tuple[Any, ...]) -> Callable[[Any, Any], Ordered] | None:
+    """enqueue_ordered in two steps: what the call decides at once (None where the loop must do it all; a
+    ConfigError where this rank cannot order what the others will), and the planning, `plan(stream, early)`,
+    which may run later on another thread (Deferred)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
     if plan is None or lay is None or lay.single:
@@ -574,14 +583,72 @@ def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any,
                           f"({streamorder.unavailable_reason(bufs[0].device)}); set HETCCL_TORCH_STREAM_ORDER=0 on "
                           "every rank")
     if name in _LINK_PLANS and lay.leaders is group and _pair_link_applies(group, lay):
-        if lay.link is None:
+        link = lay.link
+        if link is None:
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)
-        if isinstance(lay.link, pairlink.PairLink) and lay.link.ops is not None:
-            return _link_ordered(group, name, lay.link, words, stream, args)
-    island = _Island(group, lay, words, stream, early)
-    stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
-    return Ordered(_host_side(group, name, stage, body, fingerprint), island.enqueue,
-                   lambda: stage is not None and stage.finish(False), island.comm is not None)
+        if isinstance(link, pairlink.PairLink) and link.ops is not None:
+            return lambda stream, early: _link_ordered(group, name, link, words, stream, args)
+
+    def planned(stream: Any, early: Any) -> Ordered:
+        island = _Island(group, lay, words, stream, early)
+        stage, body, fingerprint = plan(group, lay, island, words, stream, *args)
+        return Ordered(_host_side(group, name, stage, body, fingerprint), island.enqueue,
+                       lambda: stage is not None and stage.finish(False), island.comm is not None)
+    return planned
+
+
+class Deferred:
+    """An ordered collective planned and enqueued later by another thread (the torch backend's enqueuing
+    thread), so that the caller's thread only decides and records where its stream stands. Its host side goes
+    to the loop at the call, takes the communicator's turn there in issue order, and then waits, within the
+    deadline, for the plan (`plan`, called once on the enqueuing thread, in call order)."""
+
+    def __init__(self, group: Group, name: str, make: Callable[[Any, Any], Ordered]):
+        self._group, self._name, self._make = group, name, make
+        # the planned host side and its abandon (never the Ordered: its device side holds device tensors, whose
+        # last reference must not go on the loop thread)
+        self._planned: concurrent.futures.Future[tuple[Coroutine[Any, Any, None], Callable[[], None]]] = \
+            concurrent.futures.Future()
+
+    async def host_side(self) -> None:
+        group = self._group
+        deadline = _deadline(group)
+        started = False
+        try:
+            async with group.issue_order.turn(self._name, deadline):
+                try:
+                    side, _ = await asyncio.wait_for(asyncio.wrap_future(self._planned),
+                                                     max(0.0, deadline - asyncio.get_running_loop().time()))
+                except TimeoutError:
+                    raise CollectiveTimeout(f"cross-island {self._name}: its device side was not planned before "
+                                            "the deadline (HETCCL_TIMEOUT): the enqueuing thread is stuck") from None
+                started = True
+                await side  # takes no second turn: this task holds the communicator's
+        finally:
+            if not started and not self._planned.cancel() and self._planned.exception() is None:
+                side, abandon = self._planned.result()  # planned, never run: let the stream go
+                side.close()
+                abandon()
+
+    def plan(self, stream: Any, early: Any) -> Ordered:
+        """On the enqueuing thread: plan the collective and hand its host side to the waiting one. Raises where
+        that host side has given up (its turn timed out, the loop closed): the device side must not be
+        enqueued then."""
+        make, self._make = self._make, None  # its arguments hold device tensors: not freed on the loop thread
+        try:
+            ordered = make(stream, early)  # type: ignore[misc]
+        except BaseException as exc:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                self._planned.set_exception(exc)
+            raise
+        try:
+            self._planned.set_result((ordered.host_side, ordered.abandon))
+        except concurrent.futures.InvalidStateError:  # cancelled: the host side gave up waiting
+            ordered.host_side.close()
+            ordered.abandon()
+            raise HetcclError(f"cross-island {self._name}: its host side gave up before the device side was "
+                              "planned") from None
+        return ordered
 
 
 def _pair_link_applies(group: Group, lay: Layout) -> bool:

@@ -165,3 +165,76 @@ def test_a_stream_batch_calls_the_driver_in_order_and_stops_at_the_first_refusal
     failed = native.lib.hccl_stream_batch(ffi.cast("uint64_t *", arr.ctypes.data), 3, 1 if hip else 0,
                                           *ops._batch_fns, rc)
     assert (failed, rc[0], len(calls)) == (1, 7, 2)  # the third never went
+
+
+def test_the_enqueuing_thread_runs_jobs_in_order_and_reports_an_escaped_error():
+    """torch/enqueuer.py: jobs run one at a time, in the order put, on one thread that is not the caller's; an
+    error a job lets escape is raised by the next put(); close() lets the queue run out, then stops the thread."""
+    torch_enqueuer = pytest.importorskip("hetccl.torch.enqueuer")
+    q = torch_enqueuer.Enqueuer("test-enqueue")
+    ran: list[tuple[int, int]] = []
+    for i in range(50):
+        q.put(lambda i=i: (time.sleep(0.0002 * (i % 3)), ran.append((i, threading.get_ident()))))
+    assert q.idle(10.0)
+    assert [i for i, _ in ran] == list(range(50))
+    assert len({t for _, t in ran}) == 1 and ran[0][1] != threading.get_ident()
+
+    def fails() -> None:
+        raise RuntimeError("job 51")
+    q.put(fails)
+    assert q.idle(10.0)
+    with pytest.raises(Exception, match="enqueuing failed") as info:
+        q.put(lambda: None)
+    assert "job 51" in repr(info.value.__cause__)
+    q.close(5.0)
+    assert not q._thread.is_alive()
+
+
+class _Group:
+    """What hierarchical.Deferred reads of a communicator: its turns (the real IssueOrder) and timeout."""
+
+    def __init__(self, timeout: float):
+        from hetccl.ordering import IssueOrder
+
+        self.issue_order = IssueOrder()
+        self.settings = type("S", (), {"timeout": timeout})()
+
+
+async def test_a_deferred_host_side_keeps_its_turn_and_runs_the_plan_made_on_another_thread():
+    """hierarchical.Deferred: its host side takes the communicator's turn at once (a collective issued after
+    it waits), runs the host side planned later on another thread, and a plan the host side has given up on
+    (past the deadline) lets the stream go and raises on the planning thread."""
+    from hetccl import hierarchical
+
+    group = _Group(timeout=2.0)
+    events: list[str] = []
+
+    def make(name: str) -> hierarchical.Ordered:
+        async def side() -> None:
+            events.append(f"{name} host side")
+        return hierarchical.Ordered(side(), lambda: None, lambda: events.append(f"{name} abandoned"), False)
+
+    first = hierarchical.Deferred(group, "all_reduce", lambda stream, early: make("first"))
+    task = asyncio.ensure_future(first.host_side())
+    await asyncio.sleep(0.01)
+
+    async def later() -> None:
+        async with group.issue_order.turn("later", asyncio.get_running_loop().time() + 2.0):
+            events.append("later")
+    other = asyncio.ensure_future(later())
+    await asyncio.sleep(0.05)
+    assert events == []  # the later collective waits for the first's turn, which waits for its plan
+    planner = threading.Thread(target=lambda: first.plan("stream", None))
+    planner.start()
+    await asyncio.wait_for(asyncio.gather(task, other), 5.0)
+    planner.join()
+    assert events == ["first host side", "later"]
+
+    group.settings.timeout = 0.1
+    events.clear()
+    late = hierarchical.Deferred(group, "all_gather", lambda stream, early: make("late"))
+    with pytest.raises(CollectiveTimeout, match="not planned before the deadline"):
+        await late.host_side()
+    with pytest.raises(Exception, match="gave up"):
+        await asyncio.to_thread(late.plan, "stream", None)
+    assert events == ["late abandoned"]

@@ -97,13 +97,15 @@ PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK":
          "hosts": {"HETCCL_HOST": "h0,h1", "TEST_CHECK_HOSTS": "h0,h1"}}
 
 
-ORDERS = {"held": {"HETCCL_TORCH_STREAM_ORDER": "0"}, "stream": {}, "late": {"HETCCL_TORCH_EARLY_COPIES": "0"}}
+ORDERS = {"held": {"HETCCL_TORCH_STREAM_ORDER": "0"}, "stream": {}, "late": {"HETCCL_TORCH_EARLY_COPIES": "0"},
+          "caller": {"HETCCL_TORCH_ENQUEUE_THREAD": "0"}}
 
 
 @needs_1
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path,order", [(p, o) for p in sorted(PATHS) for o in ("held", "stream")] +
-                         [(p, "late") for p in ("hosts", "shm", "tcp")])  # the link stages nothing
+                         [(p, "late") for p in ("hosts", "shm", "tcp")] +  # the link stages nothing
+                         [(p, "caller") for p in ("hosts", "link")])
 def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
     and mismatches seen with both GPUs visible), some reading what one before them still writes, on each
@@ -111,7 +113,8 @@ def test_two_islands_every_op(path, order):
     tests do); "stream": the default stream order (ordered collectives mixed with the ops the loop does on the
     device), "held": HETCCL_TORCH_STREAM_ORDER=0, "late": HETCCL_TORCH_EARLY_COPIES=0 (the copies out of the
     caller's data on the collective stream, behind the collectives before it; the default puts them on a second
-    stream)."""
+    stream), "caller": HETCCL_TORCH_ENQUEUE_THREAD=0 (the caller's thread plans and enqueues the device side; by
+    default the process group's enqueuing thread does)."""
     env = {**TWO_ISLANDS, **PATHS[path], **ORDERS[order]}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import mmap
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -277,6 +278,14 @@ async def until(words: Words, word: tuple[int, int], deadline: float, what: str,
     finally:
         if not fut.done():
             fut.cancel()  # the watcher drops it
+
+
+def wait_host(words: Words, word: tuple[int, int], deadline: float, what: str) -> None:
+    """Wait on this thread until a stream has stored `word` (time.monotonic() `deadline`: CollectiveTimeout)."""
+    while not words.reached(word):
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(f"{what} did not end before the deadline (HETCCL_TIMEOUT)")
+        time.sleep(POLL_S)
 
 
 Copy = tuple[int, int, int]  # (byte offset in the device tensor, byte offset in the pinned buffer, bytes)

@@ -33,6 +33,7 @@ from hetccl.errors import ConfigError
 from hetccl.gpu import streamorder
 from hetccl.gpu.runtime import CALLER_STREAM, record_event, stream_waits, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
+from hetccl.torch.enqueuer import Enqueuer
 
 BACKEND_NAME = "hetccl"
 log = logging.getLogger("hetccl")
@@ -340,6 +341,18 @@ class _DoneWork(dist.Work):
         pass
 
 
+_ENDS: dict[int, torch.cuda.Stream] = {}
+
+
+def _ends_stream(device: int) -> torch.cuda.Stream:
+    """The stream a Future of a collective not yet enqueued completes on: it waits for the collective's end
+    word (the collective stream cannot: the collective is enqueued on it later)."""
+    s = _ENDS.get(device)
+    if s is None:
+        s = _ENDS[device] = torch.cuda.Stream(device)
+    return s
+
+
 class _EnqueuedWork(dist.Work):
     """A collective enqueued on the caller's stream inside one GPU island: done as far as the host is concerned.
     As ProcessGroupNCCL's (without blocking wait), wait() makes the waiter's current stream wait for it and
@@ -347,9 +360,13 @@ class _EnqueuedWork(dist.Work):
     for (DDP's hooks ask; dist.all_reduce does not). Also the Work of a collective ordered on the caller's stream
     across islands (`vc` is then the backend: its `broken` is the first error of such a collective)."""
 
-    def __init__(self, result: Any, device: int, stream: int, event: Any, vc: Any):
+    def __init__(self, result: Any, device: int, stream: int, event: Any, vc: Any,
+                 end: tuple[Any, tuple[int, int]] | None = None):
         super().__init__()
         self._result, self._device, self._stream, self._event, self._vc = result, device, stream, event, vc
+        # or, where the enqueuing thread has yet to enqueue the collective (torch/enqueuer.py): its end word
+        # (streamorder.Words, word), which the collective stream stores after it
+        self._end = end
         self._fut: torch.futures.Future | None = None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -357,15 +374,24 @@ class _EnqueuedWork(dist.Work):
             raise self._vc.broken
         current = _raw_stream(self._device)
         if current != self._stream:
-            stream_waits(current, self._device, self._event)
+            if self._end is not None:
+                self._end[0].hold(current, self._end[1])
+            else:
+                stream_waits(current, self._device, self._event)
         return True
 
     def get_future(self) -> torch.futures.Future:
         if self._fut is None:
             fut = torch.futures.Future(devices=[self._device])
             # completion events are recorded on the current stream: make it the one the collective ran on (the
-            # usual case: DDP's hooks ask for the future where they issued the collective)
-            if _raw_stream(self._device) == self._stream:
+            # usual case: DDP's hooks ask for the future where they issued the collective), or, where the
+            # collective is not enqueued yet, a stream that waits for its end word
+            if self._end is not None:
+                ends = _ends_stream(self._device)
+                with torch.cuda.device(self._device), torch.cuda.stream(ends):
+                    self._end[0].hold(ends.cuda_stream, self._end[1])
+                    fut.set_result(self._result)
+            elif _raw_stream(self._device) == self._stream:
                 fut.set_result(self._result)
             else:
                 with torch.cuda.device(self._device), torch.cuda.stream(torch_stream(self._stream, self._device)):
@@ -374,7 +400,7 @@ class _EnqueuedWork(dist.Work):
         return self._fut
 
     def is_completed(self) -> bool:
-        return self._event.query()
+        return self._end[0].reached(self._end[1]) if self._end is not None else self._event.query()
 
     def is_success(self) -> bool:
         return self._vc.broken is None
@@ -459,8 +485,9 @@ class HetcclBackend(dist.ProcessGroup):
         self._lanes: dict[int, Any] = {}  # device index -> group.IslandLane (single GPU island)
         self._streams: dict[int, torch.cuda.Stream] = {}  # device index -> the stream ordered collectives run on
         self._early: dict[int, torch.cuda.Stream] = {}  # device index -> the stream of their copies out (_early_stream)
-        # in flight, oldest first: storage [lo, hi) written, and the collective's end on the collective stream
-        self._writes: collections.deque[tuple[int, int, Any]] = collections.deque()
+        # in flight, oldest first: storage [lo, hi) written, and whether the collective's end on the collective
+        # stream is reached
+        self._writes: collections.deque[tuple[int, int, Callable[[], bool]]] = collections.deque()
         self._early_copies = params.get("HETCCL_TORCH_EARLY_COPIES")
         # the first error of a collective ordered on the caller's stream: raised by every later call and wait()
         self.broken: BaseException | None = None
@@ -470,6 +497,9 @@ class HetcclBackend(dist.ProcessGroup):
         except BaseException:
             self._comm.close()
             raise
+        # the planning and device side of ordered collectives, off the caller's thread (torch/enqueuer.py)
+        self._enqueuer = Enqueuer(f"hetccl-enqueue-{group_name or 'default'}") \
+            if self._ordered and params.get("HETCCL_TORCH_ENQUEUE_THREAD") else None
         lifecycle.track_backend(self)  # detached at interpreter exit; its communicator is closed there
 
     # ---- plumbing ------------------------------------------------------------------------------------
@@ -627,7 +657,7 @@ class HetcclBackend(dist.ProcessGroup):
         if not self._early_copies:
             return None
         writes = self._writes
-        while writes and writes[0][2].query():  # their ends are on one stream: they complete in order
+        while writes and writes[0][2]():  # their ends are on one stream: they complete in order
             writes.popleft()
         if len(writes) > _EARLY_TRACKED:
             return None
@@ -659,6 +689,15 @@ class HetcclBackend(dist.ProcessGroup):
             finally:
                 self._kinds.leave("loop")
         self._kinds.enter("ordered", timeout)
+        if self._enqueuer is not None:
+            try:
+                work = self._launch_later(ordered, result, after, caller, stream, bufs)
+            except BaseException:
+                self._kinds.leave("ordered")
+                raise
+            if work is None:
+                self._kinds.leave("ordered")
+            return work
         try:
             with _on_device(stream.device_index):
                 # before planning (the plan may enqueue island steps at once); by driver calls where it can, some
@@ -728,7 +767,7 @@ class HetcclBackend(dist.ProcessGroup):
                 t.record_stream(stream)
                 if self._early_copies:
                     storage = t.untyped_storage()
-                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end))
+                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end.query))
         finally:
             if cf is None:  # the device side is enqueued: the peers and the stream need the host side
                 submit()
@@ -737,6 +776,91 @@ class HetcclBackend(dist.ProcessGroup):
             if self.broken is not None:
                 raise self.broken
         return work
+
+    def _launch_later(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
+                      after: Callable[[], None] | None, caller: Any, stream: torch.cuda.Stream,
+                      bufs: list[torch.Tensor]) -> Any | None:
+        """_launch_ordered with its planning and device side on the enqueuing thread (torch/enqueuer.py): this
+        thread checks the call, records where the caller's stream stands, submits the host side (it takes the
+        communicator's turn in this call's order) and hands the rest over. The Work's end is a word that the
+        collective stream stores after the collective: wait() makes the waiter's stream wait for it."""
+        name, args, kwargs = ordered
+        dev = stream.device_index
+        deferred = self._acomm.defer_ordered(name, args, kwargs)
+        if deferred is None:
+            return None
+        words = streamorder.words_for(dev)  # the plan above has it (or raised)
+        end = words.take(1)[0]
+        with _on_device(dev):
+            caller_done = record_event(caller.cuda_stream, dev)
+        work = _EnqueuedWork(result, dev, stream.cuda_stream, None, self, (words, end))
+
+        def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
+            self._finished += 1
+            self._kinds.leave("ordered")
+            try:
+                exc = cf.exception()
+            except BaseException as e:  # noqa: BLE001 (cancelled)
+                exc = e
+            if exc is not None and self.broken is None:
+                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+
+        self._submitted += 1
+        try:
+            cf = self._comm.submit(deferred.host_side())
+        except BaseException:
+            self._finished += 1
+            raise
+        cf.add_done_callback(done)
+
+        def job() -> None:
+            self._enqueue_later(deferred, cf, caller_done, stream, bufs, result, after, words, end)
+        try:
+            self._enqueuer.put(job)
+        except BaseException:
+            cf.cancel()  # its host side gives up waiting for the plan
+            words.store(end)
+            raise
+        if blocking():  # HETCCL_GPU_BLOCKING=1: the same schedule, then wait for its end
+            streamorder.wait_host(words, end, time.monotonic() + self._acomm.settings.timeout, f"cross-island {name}")
+            if self.broken is not None:
+                raise self.broken
+        return work
+
+    def _enqueue_later(self, deferred: Any, cf: Any, caller_done: Any, stream: torch.cuda.Stream,
+                       bufs: list[torch.Tensor], result: Any, after: Callable[[], None] | None, words: Any,
+                       end: tuple[int, int]) -> None:
+        """On the enqueuing thread, in call order: the collective stream (and the early one) wait for the
+        caller's, then the plan, the device side, the copies back and the end word. On failure the collective's
+        result is not to be used: `broken` says so at the next call or wait(), and the streams are let go."""
+        dev = stream.device_index
+        planned = None
+        try:
+            use_device(dev)
+            stream_waits(stream.cuda_stream, dev, caller_done)
+            early = self._early_stream(dev, bufs)
+            if early is not None:
+                stream_waits(early.cuda_stream, dev, caller_done)
+            planned = deferred.plan(stream, early)
+            planned.device_side()
+            if after is not None:
+                with torch.cuda.stream(stream):
+                    after()
+            words.signal(stream.cuda_stream, end)  # wait() on another stream also waits for the copies back
+            reached = lambda: words.reached(end)  # noqa: E731
+            for t in {id(t): t for t in _tensors([bufs, result])}.values():
+                t.record_stream(stream)  # made on the caller's stream: not reused before this one is done
+                if self._early_copies:
+                    storage = t.untyped_storage()
+                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), reached))
+        except BaseException as exc:  # noqa: BLE001 (raised by this group's next call or wait())
+            if self.broken is None:
+                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            log.debug("hetccl: an ordered collective's device side failed: %r", exc)
+            cf.cancel()
+            if planned is not None:
+                planned.abandon()
+            words.store(end)  # the caller's stream must not wait forever
 
     # ---- collectives ---------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -1199,6 +1323,9 @@ class HetcclBackend(dist.ProcessGroup):
                 log.warning("hetccl: destroy_process_group closes the group with %d of its collectives unfinished "
                             "after the timeout (%.0f s)", self._submitted - self._finished,
                             self._acomm.settings.timeout)
+        enqueuer = getattr(self, "_enqueuer", None)
+        if enqueuer is not None:  # its jobs ran before their host sides could end: it is idle, or soon
+            enqueuer.close(5.0)
         comm = self._detach()
         if comm is not None:
             try:
