@@ -15,8 +15,8 @@ Each variant is one `torchrun --standalone --nproc-per-node 2` job (environment:
 - "hetccl link" (hetccl): islands nvidia-0 / nvidia-1 on one host: hetccl's zero-copy link between islands.
 - "hetccl hosts late": hosts with `HETCCL_TORCH_EARLY_COPIES=0` (copies out behind the collectives before them);
 - "hetccl hosts held", "hetccl link held": hosts and link with `HETCCL_TORCH_STREAM_ORDER=0`; "hetccl hosts
-  caller", "hetccl link caller": with `HETCCL_TORCH_ENQUEUE_THREAD=0` (the caller's thread plans and enqueues
-  the ordered collectives' device side, not the process group's enqueuing thread); "hetccl hosts bf16",
+  thread", "hetccl link thread": with `HETCCL_TORCH_ENQUEUE_THREAD=1` (the process group's enqueuing thread, not
+  the caller's, plans and enqueues the ordered collectives' device side; experimental); "hetccl hosts bf16",
   "hetccl hosts fp8": hosts with `HETCCL_CROSS_COMPRESS`, and "hetccl hosts bf16 ef", "hetccl hosts fp8 ef" with
   DDP's error feedback hook too (the compressed ones run only when named in --variants).
 
@@ -128,11 +128,11 @@ def variants(device: str, n: int) -> dict[str, tuple[str, dict[str, str], str]]:
                                   "hetccl hosts, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
             "hetccl link held": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_STREAM_ORDER": "0"},
                                  "hetccl link, HETCCL_TORCH_STREAM_ORDER=0: the caller's thread waits"),
-            "hetccl hosts caller": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
-                                               "HETCCL_TORCH_ENQUEUE_THREAD": "0"},
-                                    "hetccl hosts, HETCCL_TORCH_ENQUEUE_THREAD=0: the caller's thread enqueues"),
-            "hetccl link caller": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_ENQUEUE_THREAD": "0"},
-                                   "hetccl link, HETCCL_TORCH_ENQUEUE_THREAD=0: the caller's thread enqueues"),
+            "hetccl hosts thread": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
+                                               "HETCCL_TORCH_ENQUEUE_THREAD": "1"},
+                                    "hetccl hosts, HETCCL_TORCH_ENQUEUE_THREAD=1: the enqueuing thread (experimental)"),
+            "hetccl link thread": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_TORCH_ENQUEUE_THREAD": "1"},
+                                   "hetccl link, HETCCL_TORCH_ENQUEUE_THREAD=1: the enqueuing thread (experimental)"),
             **{f"hetccl hosts {w}": ("hetccl", {"TEST_ISLANDS": islands, "HETCCL_HOST": hosts,
                                                 "HETCCL_CROSS_COMPRESS": w},
                                      f"hetccl hosts, HETCCL_CROSS_COMPRESS={w}: the bytes between the hosts in {w}")

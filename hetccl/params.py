@@ -373,9 +373,11 @@ TABLE: dict[str, Param] = {p.name: p for p in (
     _P("HETCCL_TORCH_EARLY_COPIES", "bool", True, "an ordered collective's copies out of the caller's data run "
        "on a second stream, beside earlier collectives still waiting for their host steps (DDP's step 0.71x, "
        "FSDP2's 0.90x on one H100); `0`: behind them, on the collective stream", "hetccl.torch.backend"),
-    _P("HETCCL_TORCH_ENQUEUE_THREAD", "bool", True, "an ordered collective is planned and enqueued on its stream by "
-       "a thread of its process group, so that the caller's thread only checks the call and records where its "
-       "stream stands; `0`: by the caller's thread", "hetccl.torch.backend"),
+    _P("HETCCL_TORCH_ENQUEUE_THREAD", "bool", False, "experimental: an ordered collective is planned and enqueued "
+       "on its stream by a thread of its process group, and the caller's thread only checks the call and records "
+       "where its stream stands (held 0.27-0.44 ms against 0.31-0.87 per blocking op on one H100); it stalled in "
+       "one GPU test (several all_reduces in flight), so `0`, the default: by the caller's thread",
+       "hetccl.torch.backend"),
     _P("HETCCL_TORCH_ALIAS", "list", [], "torch backend names (`nccl`, `gloo`) that mean hetccl; set by `hetccl "
        "run --torch-backend-alias`", "hetccl.torch.alias.sitecustomize", parse=lambda t: [
            a.strip().lower() for a in t.split(",") if a.strip()]),

@@ -98,14 +98,17 @@ PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK":
 
 
 ORDERS = {"held": {"HETCCL_TORCH_STREAM_ORDER": "0"}, "stream": {}, "late": {"HETCCL_TORCH_EARLY_COPIES": "0"},
-          "caller": {"HETCCL_TORCH_ENQUEUE_THREAD": "0"}}
+          "thread": {"HETCCL_TORCH_ENQUEUE_THREAD": "1"}}
+# the enqueuing thread's known failure (H100, 2026-12-07): in `async` (8 all_reduces in flight, waited for in turn)
+# rank 0's host side waited for the arrival of its copy out of the second one, and the peer timed out
+THREAD_HANGS = pytest.mark.xfail(strict=True, reason="HETCCL_TORCH_ENQUEUE_THREAD=1 stalls in the async case")
 
 
 @needs_1
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path,order", [(p, o) for p in sorted(PATHS) for o in ("held", "stream")] +
                          [(p, "late") for p in ("hosts", "shm", "tcp")] +  # the link stages nothing
-                         [(p, "caller") for p in ("hosts", "link")])
+                         [pytest.param(p, "thread", marks=THREAD_HANGS) for p in ("hosts", "link")])
 def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
     and mismatches seen with both GPUs visible), some reading what one before them still writes, on each
@@ -113,8 +116,8 @@ def test_two_islands_every_op(path, order):
     tests do); "stream": the default stream order (ordered collectives mixed with the ops the loop does on the
     device), "held": HETCCL_TORCH_STREAM_ORDER=0, "late": HETCCL_TORCH_EARLY_COPIES=0 (the copies out of the
     caller's data on the collective stream, behind the collectives before it; the default puts them on a second
-    stream), "caller": HETCCL_TORCH_ENQUEUE_THREAD=0 (the caller's thread plans and enqueues the device side; by
-    default the process group's enqueuing thread does)."""
+    stream), "thread": HETCCL_TORCH_ENQUEUE_THREAD=1 (the process group's enqueuing thread plans and enqueues the
+    device side; experimental, off by default: the caller's thread does it)."""
     env = {**TWO_ISLANDS, **PATHS[path], **ORDERS[order]}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)

@@ -53,6 +53,7 @@ _OPS = {
 _OPS_BY_TYPE = {getattr(k, "op", k): v for k, v in _OPS.items() if getattr(k, "__hash__", None)}
 # the island lane's ops (hetccl's ReduceOp), by c10d's op kind; PREMUL_SUM is not here (the general path scales)
 _LANE_OPS = {kind: parse_op(name) for kind, name in _OPS_BY_TYPE.items()}
+_ENQUEUER_JOIN_S = 2.0  # how long closing a group waits for its enqueuing thread to run out its queue
 _EARLY_TRACKED = 64  # collectives in flight whose writes _early_stream checks; past that, no early copies
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a stream handle without a Stream object
 
@@ -1305,7 +1306,11 @@ class HetcclBackend(dist.ProcessGroup):
         return work if work is not None else self._launch(lambda: self._acomm.barrier(), [])
 
     def _detach(self) -> hetccl.SyncCommunicator | None:
-        """Take the communicator away (later calls fail; shutdown becomes a no-op) and return it."""
+        """Take the communicator away (later calls fail; shutdown becomes a no-op) and return it; the enqueuing
+        thread runs out its queue first (briefly: no CUDA call of it may outlive the interpreter)."""
+        enqueuer = getattr(self, "_enqueuer", None)
+        if enqueuer is not None:
+            enqueuer.close(_ENQUEUER_JOIN_S)
         comm, self._comm = getattr(self, "_comm", None), None
         return comm
 
@@ -1323,10 +1328,7 @@ class HetcclBackend(dist.ProcessGroup):
                 log.warning("hetccl: destroy_process_group closes the group with %d of its collectives unfinished "
                             "after the timeout (%.0f s)", self._submitted - self._finished,
                             self._acomm.settings.timeout)
-        enqueuer = getattr(self, "_enqueuer", None)
-        if enqueuer is not None:  # its jobs ran before their host sides could end: it is idle, or soon
-            enqueuer.close(5.0)
-        comm = self._detach()
+        comm = self._detach()  # the enqueuing thread's jobs ran before their host sides could end: it is idle
         if comm is not None:
             try:
                 comm.close()
