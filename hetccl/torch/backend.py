@@ -718,16 +718,6 @@ class HetcclBackend(dist.ProcessGroup):
         # made before the loop thread is woken: Work's constructor lets the GIL go, and the loop would take it
         work = _EnqueuedWork(result, stream.device_index, stream.cuda_stream, None, self)  # its end event below
 
-        def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
-            self._finished += 1
-            self._kinds.leave("ordered")
-            try:
-                exc = cf.exception()
-            except BaseException as e:  # noqa: BLE001 (cancelled)
-                exc = e
-            if exc is not None and self.broken is None:
-                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
-
         def give_up() -> None:  # the host side will never run: let the stream go
             self._kinds.leave("ordered")
             planned.host_side.close()
@@ -741,7 +731,7 @@ class HetcclBackend(dist.ProcessGroup):
                 self._finished += 1
                 give_up()
                 raise
-            cf.add_done_callback(done)
+            cf.add_done_callback(self._ordered_done)
             return cf
 
         cf = submit() if planned.host_first else None
@@ -749,8 +739,7 @@ class HetcclBackend(dist.ProcessGroup):
             with _on_device(stream.device_index):
                 planned.device_side()
         except BaseException as exc:
-            if self.broken is None:
-                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            self._break(exc)
             if cf is None:
                 give_up()
             else:
@@ -778,6 +767,23 @@ class HetcclBackend(dist.ProcessGroup):
                 raise self.broken
         return work
 
+    def _ordered_done(self, cf: Any) -> None:
+        """An ordered collective's host side has ended (on the loop thread: no CUDA call here,
+        gpu/streamorder.py says why); its error, if any, becomes the group's."""
+        self._finished += 1
+        self._kinds.leave("ordered")
+        try:
+            exc = cf.exception()
+        except BaseException as e:  # noqa: BLE001 (cancelled)
+            exc = e
+        if exc is not None:
+            self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        """Keep the first error of an ordered collective: every later call and wait() raises it."""
+        if self.broken is None:
+            self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+
     def _launch_later(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
                       after: Callable[[], None] | None, caller: Any, stream: torch.cuda.Stream,
                       bufs: list[torch.Tensor]) -> Any | None:
@@ -796,23 +802,13 @@ class HetcclBackend(dist.ProcessGroup):
             caller_done = record_event(caller.cuda_stream, dev)
         work = _EnqueuedWork(result, dev, stream.cuda_stream, None, self, (words, end))
 
-        def done(cf: Any) -> None:  # on the loop thread: no CUDA call here (gpu/streamorder.py says why)
-            self._finished += 1
-            self._kinds.leave("ordered")
-            try:
-                exc = cf.exception()
-            except BaseException as e:  # noqa: BLE001 (cancelled)
-                exc = e
-            if exc is not None and self.broken is None:
-                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
-
         self._submitted += 1
         try:
             cf = self._comm.submit(deferred.host_side())
         except BaseException:
             self._finished += 1
             raise
-        cf.add_done_callback(done)
+        cf.add_done_callback(self._ordered_done)
 
         def job() -> None:
             self._enqueue_later(deferred, cf, caller_done, stream, bufs, result, after, words, end)
@@ -855,8 +851,7 @@ class HetcclBackend(dist.ProcessGroup):
                     storage = t.untyped_storage()
                     self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), reached))
         except BaseException as exc:  # noqa: BLE001 (raised by this group's next call or wait())
-            if self.broken is None:
-                self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            self._break(exc)
             log.debug("hetccl: an ordered collective's device side failed: %r", exc)
             cf.cancel()
             if planned is not None:
