@@ -21,11 +21,15 @@ import time
 from collections.abc import Callable
 
 import torch
-from hetccl.gpu.streamorder import words_for
+from hetccl.gpu.runtime import record_event, stream_waits
+from hetccl.gpu.streamorder import wait_host, words_for
+
+BEFORE: list = []  # an event recorded on the held stream just before its hold (main sets it for each probe)
 
 
 def probes(side: torch.cuda.Stream) -> dict[str, Callable[[], None]]:
     sizes = iter(range(1, 1000))
+    words = words_for(0)
 
     def fresh_pinned() -> None:  # a size the caching host allocator has not seen: cudaHostAlloc
         torch.empty((64 << 20) + next(sizes) * 4096, dtype=torch.uint8, pin_memory=True)
@@ -69,11 +73,31 @@ def probes(side: torch.cuda.Stream) -> dict[str, Callable[[], None]]:
     def empty_cache() -> None:
         torch.cuda.empty_cache()
 
+    def copy_out_after_event() -> None:
+        """What the torch backend's enqueuing thread does for an ordered collective's copy out: the side stream
+        waits for an event of the held stream from before its hold, then a driver D2H into fresh pinned memory
+        and a word; this thread waits on the host for the word."""
+        host = torch.empty((4 << 20) + next(sizes) * 4096, dtype=torch.uint8, pin_memory=True)
+        dev = torch.ones(1 << 20, device="cuda")
+        stream_waits(side.cuda_stream, 0, BEFORE[-1])
+        batch = words.ops.batch()
+        word = words.take(1)[0]
+        batch.copy(host.data_ptr(), dev.data_ptr(), 4 << 20, side.cuda_stream)
+        batch.write(side.cuda_stream, words.address(word), word[1])
+        batch.flush()
+        wait_host(words, word, time.monotonic() + 30, "the copy out")
+
+    def wait_stream_event() -> None:  # Stage.seal's torch calls: an event on one pool stream waited by another
+        other = torch.cuda.Stream()
+        other.wait_stream(side)
+        other.synchronize()
+
     return {"pinned alloc (new size)": fresh_pinned, "device alloc (new segment)": fresh_device,
             "cudaHostRegister+Unregister": register, "kernel on a pool stream": kernel_on_side,
             "D2H copy on a pool stream": copy_on_side, "event on a pool stream": event_on_side,
             "new stream": new_stream, "kernel on the legacy stream": kernel_current,
-            "empty_cache (cudaFree)": empty_cache}
+            "empty_cache (cudaFree)": empty_cache, "copy out after an earlier event": copy_out_after_event,
+            "Stream.wait_stream": wait_stream_event}
 
 
 def main() -> None:
@@ -89,6 +113,7 @@ def main() -> None:
     for held_name, held in held_streams.items():
         for name, call in probes(side).items():
             torch.cuda.synchronize()
+            BEFORE.append(record_event(held.cuda_stream, 0))
             word = words.take(1)[0]
             words.hold(held.cuda_stream, word)
             done = threading.Event()
