@@ -802,13 +802,18 @@ class HetcclBackend(dist.ProcessGroup):
             caller_done = record_event(caller.cuda_stream, dev)
         work = _EnqueuedWork(result, dev, stream.cuda_stream, None, self, (words, end))
 
+        def done(cf: Any) -> None:  # a failed host side lets the waiters' streams go, whatever the thread did
+            self._ordered_done(cf)
+            if cf.cancelled() or cf.exception() is not None:
+                words.store(end)
+
         self._submitted += 1
         try:
             cf = self._comm.submit(deferred.host_side())
         except BaseException:
             self._finished += 1
             raise
-        cf.add_done_callback(self._ordered_done)
+        cf.add_done_callback(done)
 
         def job() -> None:
             self._enqueue_later(deferred, cf, caller_done, stream, bufs, result, after, words, end)
