@@ -2,8 +2,8 @@
 
 A collective between islands has host work (the wire, host reductions). The caller's thread must not wait for
 it, yet the stream must see its result in order. So the whole device side is enqueued on the stream at once,
-by the caller's thread or, in the torch backend by default, by its enqueuing thread (torch/enqueuer.py), and
-hetccl's loop thread does the host side touching only host memory:
+by the caller's thread or, in the torch backend with HETCCL_TORCH_ENQUEUE_THREAD=1 (experimental), by its
+enqueuing thread (torch/enqueuer.py), and hetccl's loop thread does the host side touching only host memory:
 
     caller's stream:  D2H piece 0 -> pinned, write word a0 ... D2H piece k -> pinned, write word ak
                       wait until word b0 -> H2D piece 0 ... wait until word bk -> H2D piece k, write word c

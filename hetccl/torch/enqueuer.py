@@ -7,6 +7,9 @@ while ProcessGroupNCCL's caller is back in 0.1 ms. So the caller's thread only c
 its stream stands and submits the host side; this thread, one per process group, does the rest in call order
 (the collective stream's order). It makes CUDA calls, as the caller's thread would, and never waits for
 hetccl's loop thread (which makes none: gpu/streamorder.py).
+
+Experimental, off by default (HETCCL_TORCH_ENQUEUE_THREAD): on one H100 (2026-12-07) it stalled in
+tests/torch_workers.py's `async` case, cause not yet found (benchmarks/results/gpu-2026-12-07d.md).
 """
 
 from __future__ import annotations
