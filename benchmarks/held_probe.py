@@ -9,7 +9,7 @@ Per op and size (MiB: the buffer of all_reduce and broadcast, reduce_scatter's i
 rank 0 prints the median time the blocking call keeps the thread (12 calls) in four modes (--modes): as is;
 after a 3 ms pause (leftover work of hetccl's loop thread would finish in it); with a 0.1 ms GIL switch interval
 (a thread holding the GIL would give it up sooner); under cProfile. It also prints the mean time per call spent
-in the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (planning) and
+in the backend's steps (timed by wrappers: `_launch_ordered`, of it `enqueue_ordered` (checks and planning) and
 `_Island.enqueue` (the device side), the Work's constructor and wait; with --fine, their steps down to the
 driver calls) and cProfile's cumulative listing of the hetccl, torch.cuda and torch.distributed functions.
 Without HETCCL_HOST the islands meet over the zero-copy link.
@@ -33,7 +33,7 @@ from typing import Any
 import hetccl.torch  # noqa: F401 (registers the backend; eager module loading before CUDA starts)
 import torch
 import torch.distributed as dist
-from hetccl import hierarchical
+from hetccl import communicator, hierarchical
 from hetccl.torch import backend
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -66,7 +66,6 @@ def timed(owner: Any, name: str, label: str | None = None) -> None:
 def fine_targets() -> list[tuple[Any, str]]:
     """--fine: the ordered launch's steps down to the driver calls and torch's contexts (each wrapper adds about
     a microsecond to the held time)."""
-    from hetccl import communicator
     from hetccl.bindings import streamops
     from hetccl.gpu import streamorder
 
@@ -95,7 +94,7 @@ def main() -> None:
             ap.error(f"unknown mode {m!r}")
     os.environ["HETCCL_ISLAND"] = f"nvidia-{RANK}"  # each rank its own island
     for owner, name in [(backend.HetcclBackend, "_launch_ordered"), (backend._EnqueuedWork, "__init__"),
-                        (backend._EnqueuedWork, "wait"), (hierarchical, "enqueue_ordered"),
+                        (backend._EnqueuedWork, "wait"), (communicator.Communicator, "enqueue_ordered"),
                         (hierarchical._Island, "enqueue"), (backend.HetcclBackend, "_early_stream")]:
         timed(owner, name)
     for owner, name in fine_targets() if args.fine else []:

@@ -275,10 +275,10 @@ class Communicator(Group):
                         early: Any = None) -> Any:
         """A device collective across islands (all_reduce, all_gather, reduce_scatter, broadcast; arguments as
         the methods take them) whose device side the calling thread enqueues on `stream` now (its copies out of
-        the caller's data on `early`, where given: hierarchical.enqueue_ordered); returns its
+        the caller's data on `early`, where given: hierarchical.ordered_plan); returns its
         hierarchical.Ordered parts: the coroutine of its host side, to run on hetccl's loop (the stream waits for
         it: gpu/streamorder.py), and the device side to enqueue; or None where the loop must do it all (one
-        island, host memory, layouts that hierarchical.enqueue_ordered leaves to the loop). Run
+        island, host memory, layouts that hierarchical.ordered_plan leaves to the loop). Run
         `ordered_setup`'s coroutine first."""
         plan = self._ordered_plan(name, args, kwargs)
         return None if plan is None else plan(stream, early)
@@ -290,7 +290,8 @@ class Communicator(Group):
         plan = self._ordered_plan(name, args, kwargs)
         return None if plan is None else hierarchical.Deferred(self, name, plan)
 
-    def _ordered_plan(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    def _ordered_plan(self, name: str, args: list[Any], kwargs: dict[str, Any]
+                      ) -> Callable[[Any, Any], hierarchical.Ordered] | None:
         if name not in _ORDERED_ARGS:
             return None
         tensors = args[:2] if name in ("all_gather", "reduce_scatter") else args[:1]

@@ -545,7 +545,7 @@ def ordered_setup(group: Group, device: int) -> Coroutine[Any, Any, Any] | None:
 
 
 class Ordered(NamedTuple):
-    """A collective planned on the caller's stream (enqueue_ordered)."""
+    """A collective planned on the caller's stream (ordered_plan)."""
 
     host_side: Coroutine[Any, Any, None]  # for hetccl's loop
     device_side: Callable[[], None]  # enqueues the device side on the stream
@@ -556,19 +556,13 @@ class Ordered(NamedTuple):
     host_first: bool
 
 
-def enqueue_ordered(group: Group, name: str, args: tuple[Any, ...], stream: Any, early: Any = None) -> Ordered | None:
-    """From the caller's thread: plan collective `name` (a SCHEDULES entry, checked arguments as they take
-    them) on `stream`: its Ordered parts. `early`, a stream that waits for the caller's but not for `stream`,
-    may take the copies out of the caller's data (streamorder.Stage.to_host). None where this layout or device
-    cannot (then the loop does it all: decided from the layout and the call alone, so on every rank alike)."""
-    plan = ordered_plan(group, name, args)
-    return None if plan is None else plan(stream, early)
-
-
 def ordered_plan(group: Group, name: str, args: tuple[Any, ...]) -> Callable[[Any, Any], Ordered] | None:
-    """enqueue_ordered in two steps: what the call decides at once (None where the loop must do it all; a
-    ConfigError where this rank cannot order what the others will), and the planning, `plan(stream, early)`,
-    which may run later on another thread (Deferred)."""
+    """Collective `name` (a SCHEDULES entry, checked arguments as they take them) ordered on a stream, in two
+    steps: what the call decides at once, and its planning. None where this layout or device cannot (then the
+    loop does it all: decided from the layout and the call alone, so on every rank alike); a ConfigError where
+    this rank cannot order what the others will. Else `plan(stream, early)` gives its Ordered parts, from the
+    caller's thread or later from another (Deferred); `early`, a stream that waits for the caller's but not for
+    `stream`, may take the copies out of the caller's data (streamorder.Stage.to_host)."""
     lay = group.island_layout
     plan = _PLANS.get(name)
     if plan is None or lay is None or lay.single:

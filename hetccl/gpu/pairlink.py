@@ -195,7 +195,7 @@ class PairLink(DeviceLink):
     # ---- GPU-signalled: everything enqueued by the calling thread, then the host waits for the end ----------
     # `enqueue_*` make CUDA calls only on the calling thread and return the driver event of the end (recorded
     # on the caller's stream). The loop awaits it (`_finish`); a collective ordered on the caller's stream
-    # (hierarchical.enqueue_ordered) instead has the stream store a word and waits for that, with no CUDA call
+    # (hierarchical.ordered_plan) instead has the stream store a word and waits for that, with no CUDA call
     # off the caller's thread and no host step at all between the two leaders' streams (NCCL's shape).
 
     def enqueue_all_reduce(self, t: Any, op: ReduceOp, stream: Any) -> int:
