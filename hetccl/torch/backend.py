@@ -342,16 +342,17 @@ class _DoneWork(dist.Work):
         pass
 
 
-_ENDS: dict[int, torch.cuda.Stream] = {}
-
-
-def _ends_stream(device: int) -> torch.cuda.Stream:
-    """The stream a Future of a collective not yet enqueued completes on: it waits for the collective's end
-    word (the collective stream cannot: the collective is enqueued on it later)."""
-    s = _ENDS.get(device)
+def _device_stream(table: dict[int, torch.cuda.Stream], device: int) -> torch.cuda.Stream:
+    """table's stream for `device`, made on first use."""
+    s = table.get(device)
     if s is None:
-        s = _ENDS[device] = torch.cuda.Stream(device)
+        s = table[device] = torch.cuda.Stream(device)
     return s
+
+
+# per device, the stream a Future of a collective not yet enqueued completes on: it waits for the collective's
+# end word (the collective stream cannot: the collective is enqueued on it later)
+_ENDS: dict[int, torch.cuda.Stream] = {}
 
 
 class _EnqueuedWork(dist.Work):
@@ -388,7 +389,7 @@ class _EnqueuedWork(dist.Work):
             # usual case: DDP's hooks ask for the future where they issued the collective), or, where the
             # collective is not enqueued yet, a stream that waits for its end word
             if self._end is not None:
-                ends = _ends_stream(self._device)
+                ends = _device_stream(_ENDS, self._device)
                 with torch.cuda.device(self._device), torch.cuda.stream(ends):
                     self._end[0].hold(ends.cuda_stream, self._end[1])
                     fut.set_result(self._result)
@@ -644,10 +645,7 @@ class HetcclBackend(dist.ProcessGroup):
         its host step and its peers instead of overlapping them. (On one GPU time-sliced by two ranks, where that
         overlap cannot show, DDP's step measured about the same either way: 247 / 234 ms against 261 / 238 ms,
         H100, 2026-12-06.)"""
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device)
-        return s
+        return _device_stream(self._streams, device)
 
     def _early_stream(self, device: int, reads: Sequence[torch.Tensor]) -> torch.cuda.Stream | None:
         """The stream for this collective's copies out of the caller's data (streamorder.Stage.to_host): it
@@ -667,10 +665,7 @@ class HetcclBackend(dist.ProcessGroup):
             hi = lo + t.numel() * t.element_size()
             if any(lo < w_hi and w_lo < hi for w_lo, w_hi, _ in self._writes):
                 return None
-        s = self._early.get(device)
-        if s is None:
-            s = self._early[device] = torch.cuda.Stream(device)
-        return s
+        return _device_stream(self._early, device)
 
     def _launch_ordered(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
                         after: Callable[[], None] | None, caller: Any, bufs: list[torch.Tensor]) -> Any | None:
@@ -752,12 +747,7 @@ class HetcclBackend(dist.ProcessGroup):
                     after()
             end = work._event = record_event(stream.cuda_stream, stream.device_index)  # wait() on another stream
             # also waits for the copies back
-            # made on the caller's stream: not reused before this one is done
-            for t in {id(t): t for t in _tensors([bufs, result])}.values():
-                t.record_stream(stream)
-                if self._early_copies:
-                    storage = t.untyped_storage()
-                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), end.query))
+            self._tensors_in_use(stream, [bufs, result], end.query)
         finally:
             if cf is None:  # the device side is enqueued: the peers and the stream need the host side
                 submit()
@@ -766,6 +756,15 @@ class HetcclBackend(dist.ProcessGroup):
             if self.broken is not None:
                 raise self.broken
         return work
+
+    def _tensors_in_use(self, stream: torch.cuda.Stream, tensors: Any, ended: Callable[[], bool]) -> None:
+        """An ordered collective on `stream` uses `tensors` (made on the caller's stream: not reused before
+        this one is done) until `ended()`; _early_stream keeps their storage off the early copies till then."""
+        for t in {id(t): t for t in _tensors(tensors)}.values():
+            t.record_stream(stream)
+            if self._early_copies:
+                storage = t.untyped_storage()
+                self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), ended))
 
     def _ordered_done(self, cf: Any) -> None:
         """An ordered collective's host side has ended (on the loop thread: no CUDA call here,
@@ -849,12 +848,7 @@ class HetcclBackend(dist.ProcessGroup):
                 with torch.cuda.stream(stream):
                     after()
             words.signal(stream.cuda_stream, end)  # wait() on another stream also waits for the copies back
-            reached = lambda: words.reached(end)  # noqa: E731
-            for t in {id(t): t for t in _tensors([bufs, result])}.values():
-                t.record_stream(stream)  # made on the caller's stream: not reused before this one is done
-                if self._early_copies:
-                    storage = t.untyped_storage()
-                    self._writes.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), reached))
+            self._tensors_in_use(stream, [bufs, result], lambda: words.reached(end))
         except BaseException as exc:  # noqa: BLE001 (raised by this group's next call or wait())
             self._break(exc)
             log.debug("hetccl: an ordered collective's device side failed: %r", exc)
