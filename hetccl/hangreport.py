@@ -6,8 +6,11 @@ flight) into the rendezvous store under one key, writes its own, and reads them 
 (HETCCL_REPORT_WAIT, default 5 s, at most a quarter of HETCCL_TIMEOUT and at least 1 s). A rank whose event
 loop is alive answers even when it is not inside a collective; a dead rank, or one whose loop is blocked,
 does not, and the report says so. The report names the ranks that are behind (they have not started the
-collective that timed out) and what each one waits for. It is logged at ERROR on the "hetccl" logger, shown
-on stderr even without logging set up, and written as JSON under HETCCL_DUMP_DIR when that is set.
+collective that timed out) and what each one waits for. Each answer also says where the rank's Python threads
+and its event loop's tasks stand (their innermost frames, as `py-spy dump` would, bounded): a rank behind is
+most often stuck in its own code or in a call that never returns, and that line names it. The report is
+logged at ERROR on the "hetccl" logger, shown on stderr even without logging set up, and written as JSON
+under HETCCL_DUMP_DIR when that is set.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import logging
 import os
 import secrets
 import socket
+import sys
+import sysconfig
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +39,65 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hetccl")
 RECENT = 16  # records per communicator in a report
+FRAMES = 6  # innermost frames of each thread or task in an answer
+STACKS = 16  # threads, and tasks, in an answer
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+
+
+def _frames(frames: Any) -> list[str]:
+    """`file:line in function`, innermost first, from (frame, lineno) pairs innermost first."""
+    out = []
+    for f, line in frames:
+        path = f.f_code.co_filename
+        out.append(f"{'/'.join(path.split(os.sep)[-2:])}:{line} in {getattr(f.f_code, 'co_qualname', f.f_code.co_name)}"
+                   + (" (stdlib)" if path.startswith(_STDLIB) else ""))
+        if len(out) == FRAMES:
+            break
+    return out
+
+
+def _await_chain(coro: Any) -> list[tuple[Any, int]]:
+    """A task's coroutines, innermost first: each suspended one and the one it awaits."""
+    chain = []
+    while coro is not None and len(chain) < 64:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        chain.append((frame, frame.f_lineno))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain[::-1]
+
+
+def stacks() -> dict[str, list[dict[str, Any]]]:
+    """Where this process stands: each Python thread but the caller (the loop, answering) and each task of the
+    running loop but the caller's, by name, with its innermost frames."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    threads = [{"name": names.get(ident, str(ident))[:60], "frames": _frames(traceback.walk_stack(frame))}
+               for ident, frame in sorted(sys._current_frames().items()) if ident != me][:STACKS]
+    tasks = []
+    try:
+        current = asyncio.current_task()
+        pending = sorted((t for t in asyncio.all_tasks() if t is not current),
+                         key=lambda t: (len(t.get_name()), t.get_name()))  # Task-2 before Task-10
+    except RuntimeError:  # no running loop
+        pending = []
+    for t in pending[:STACKS]:
+        tasks.append({"name": t.get_name()[:60], "frames": _frames(_await_chain(t.get_coro()))})
+    return {"threads": threads, "tasks": tasks}
+
+
+def where(answer: dict[str, Any]) -> str:
+    """One line for a rank: its main thread's innermost frame outside the standard library, or, where the
+    main thread runs the event loop (the async API), its first task's."""
+    def first(entries: list[dict[str, Any]]) -> str:
+        for e in entries:
+            own = [f for f in e["frames"] if not f.endswith("(stdlib)")]
+            if own:
+                return f"{e['name']} at {own[0]}"
+        return ""
+    main = [t for t in answer.get("threads", []) if t["name"] == "MainThread"]
+    return first(main) or first(answer.get("tasks", []))
 
 
 def records_of(fab: Fabric) -> dict[str, Any]:
@@ -47,7 +113,7 @@ def records_of(fab: Fabric) -> dict[str, Any]:
                            "inflight": sorted(comm.flight.inflight), "waiting_for": waiting,
                            "recent": comm.flight.snapshot(now)[-RECENT:]}
     return {"rank": fab.rank, "host": socket.gethostname(), "pid": os.getpid(), "comms": comms,
-            "lost": sorted(fab.lost)}
+            "lost": sorted(fab.lost), **stacks()}
 
 
 def answer(fab: Fabric, peer: int, payload: bytes) -> None:
@@ -129,7 +195,8 @@ def analyse(comm: GroupView, fp: Fingerprint, waited: float, answers: dict[int, 
             ranks.append(entry)
             continue
         c = a["comms"].get(cid)
-        entry.update(host=a["host"], pid=a["pid"])
+        entry.update(host=a["host"], pid=a["pid"], threads=a.get("threads", []), tasks=a.get("tasks", []),
+                     where=where(a))
         if c is None:
             entry["state"] = "has not joined this communicator (or closed it)"
         else:
@@ -159,6 +226,14 @@ def analyse(comm: GroupView, fp: Fingerprint, waited: float, answers: dict[int, 
             "waited_s": round(waited, 1), "behind": behind, "no_answer": silent, "ranks": ranks}
 
 
+def summary(rep: dict[str, Any]) -> str:
+    """The report in one clause of the timeout's message: who is behind and where (three ranks at most)."""
+    at = [f"rank {e['rank']} {e['where']}" for e in rep["ranks"] if e.get("behind") and e.get("where")][:3]
+    return (f"hang report: ranks behind {rep['behind']}" + (f" ({'; '.join(at)})" if at else "")
+            + f", no answer from {rep['no_answer']}"
+            + (f" (written to {rep['file']})" if "file" in rep else " (logged)"))
+
+
 def format_report(rep: dict[str, Any]) -> str:
     lines = [f"hetccl hang report: {rep['collective']} on communicator {rep['communicator']} timed out on rank "
              f"{rep['reporter']} after {rep['waited_s']} s"]
@@ -167,7 +242,11 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep["no_answer"]:
         lines.append(f"  ranks that did not answer: {rep['no_answer']}")
     for e in rep["ranks"]:
-        where = f"{e['host']}:{e['pid']}" if "host" in e else "?"
+        at = f"{e['host']}:{e['pid']}" if "host" in e else "?"
         done = f"; last done: {e['last_done']}" if e.get("last_done") else ""
-        lines.append(f"  rank {e['rank']} ({where}): {e['state']}{done}")
+        lines.append(f"  rank {e['rank']} ({at}): {e['state']}{done}")
+        if e.get("behind"):  # the suspects: where each of their threads and tasks stands
+            for kind in ("threads", "tasks"):
+                for t in e.get(kind, []):
+                    lines.append(f"    {kind[:-1]} {t['name']}: {' <- '.join(t['frames'][:4])}")
     return "\n".join(lines)

@@ -283,8 +283,7 @@ async def run_collective(comm: GroupView, fp: Fingerprint, body: Callable[[], Co
 
             try:  # what every rank was doing: logged, and written under HETCCL_DUMP_DIR
                 rep = await hangreport.gather(comm, fp, timeout)
-                summary = (f"; hang report: ranks behind {rep['behind']}, no answer from {rep['no_answer']}"
-                           + (f" (written to {rep['file']})" if "file" in rep else " (logged)"))
+                summary = "; " + hangreport.summary(rep)
             except Exception as err:  # noqa: BLE001 (the report is best effort; the timeout is what counts)
                 summary = f"; no hang report ({err!r})"
         exc = CollectiveTimeout(

@@ -783,7 +783,7 @@ def case_anysource() -> None:
 
 def case_work_error() -> None:
     """A collective that fails (here: it times out, its peer never joins) raises from Work.wait() and from the
-    blocking call, as with Gloo; it must not look like a success."""
+    blocking call, as with Gloo; it must not look like a success. Its message says where the rank behind is."""
     import datetime
 
     os.environ.pop("HETCCL_TIMEOUT", None)  # the process group's timeout applies only without it
@@ -798,6 +798,8 @@ def case_work_error() -> None:
                     dist.all_reduce(torch.ones(3), async_op=True).wait()
             except hetccl.CollectiveTimeout as e:
                 assert "did not complete within 2 s" in str(e), e
+                # the hang report says where the rank behind stands: rank 1's main thread, in this function
+                assert "rank 1 MainThread at tests/torch_workers.py:" in str(e) and "in case_work_error" in str(e), e
             else:
                 raise AssertionError(f"a {how} collective that timed out returned normally")
     store = dist.distributed_c10d._get_default_store()

@@ -640,6 +640,8 @@ async def hang_report(comm: hetccl.Communicator, blocked: bool) -> None:
     rep = json.loads(files[0].read_text())
     r2 = rep["ranks"][2]
     assert (("host" not in r2) if blocked else r2["behind"]), rep
+    if not blocked:  # where rank 2 stands: its main task, awaiting in this function (in the error too)
+        assert r2["where"].endswith("in hang_report") and r2["where"] in text, (r2, text)
     # the other reporter is still inside #1, or (under load) timed out a moment earlier and says so
     assert rep["ranks"][1 - comm.rank]["state"].startswith(("inside #1", "gave up on #1 (failed after")), rep
     os.write(1, f"hang report ok rank {comm.rank}: {r2['state']}\n".encode())
