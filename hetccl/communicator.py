@@ -283,12 +283,14 @@ class Communicator(Group):
         plan = self._ordered_plan(name, args, kwargs)
         return None if plan is None else plan(stream, early)
 
-    def defer_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> hierarchical.Deferred | None:
+    def defer_ordered(self, name: str, args: list[Any], kwargs: dict[str, Any],
+                      explain: Callable[[], str] | None = None) -> hierarchical.Deferred | None:
         """enqueue_ordered, with its arguments checked and the decision taken now, and its planning and device
         side left to another thread (hierarchical.Deferred): submit its host_side() to the loop at once, then
-        call its plan(stream, early) from that thread."""
+        call its plan(stream, early) from that thread. `explain()` says where that thread stands (for the
+        error of a plan past the deadline)."""
         plan = self._ordered_plan(name, args, kwargs)
-        return None if plan is None else hierarchical.Deferred(self, name, plan)
+        return None if plan is None else hierarchical.Deferred(self, name, plan, explain)
 
     def _ordered_plan(self, name: str, args: list[Any], kwargs: dict[str, Any]
                       ) -> Callable[[Any, Any], hierarchical.Ordered] | None:

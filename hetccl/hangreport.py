@@ -68,6 +68,12 @@ def _await_chain(coro: Any) -> list[tuple[Any, int]]:
     return chain[::-1]
 
 
+def thread_frames(ident: int | None) -> list[str]:
+    """The innermost frames of thread `ident` now ([] where it has ended)."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    return _frames(traceback.walk_stack(frame)) if frame is not None else []
+
+
 def stacks() -> dict[str, list[dict[str, Any]]]:
     """Where this process stands: each Python thread but the caller (the loop, answering) and each task of the
     running loop but the caller's, by name, with its innermost frames."""

@@ -597,8 +597,10 @@ class Deferred:
     to the loop at the call, takes the communicator's turn there in issue order, and then waits, within the
     deadline, for the plan (`plan`, called once on the enqueuing thread, in call order)."""
 
-    def __init__(self, group: Group, name: str, make: Callable[[Any, Any], Ordered]):
+    def __init__(self, group: Group, name: str, make: Callable[[Any, Any], Ordered],
+                 explain: Callable[[], str] | None = None):
         self._group, self._name, self._make = group, name, make
+        self._explain = explain  # where the planning thread stands, for the error of a plan past the deadline
         # the planned host side and its abandon (never the Ordered: its device side holds device tensors, whose
         # last reference must not go on the loop thread)
         self._planned: concurrent.futures.Future[tuple[Coroutine[Any, Any, None], Callable[[], None]]] = \
@@ -615,7 +617,8 @@ class Deferred:
                                                      max(0.0, deadline - asyncio.get_running_loop().time()))
                 except TimeoutError:
                     raise CollectiveTimeout(f"cross-island {self._name}: its device side was not planned before "
-                                            "the deadline (HETCCL_TIMEOUT): the enqueuing thread is stuck") from None
+                                            "the deadline (HETCCL_TIMEOUT): the enqueuing thread is stuck"
+                                            + (f"; {self._explain()}" if self._explain else "")) from None
                 started = True
                 await side  # takes no second turn: this task holds the communicator's
         finally:

@@ -169,7 +169,8 @@ def test_a_stream_batch_calls_the_driver_in_order_and_stops_at_the_first_refusal
 
 def test_the_enqueuing_thread_runs_jobs_in_order_and_reports_an_escaped_error():
     """torch/enqueuer.py: jobs run one at a time, in the order put, on one thread that is not the caller's; an
-    error a job lets escape is raised by the next put(); close() lets the queue run out, then stops the thread."""
+    error a job lets escape is raised by the next put(); where() says where a running job stands; close() lets
+    the queue run out, then stops the thread."""
     torch_enqueuer = pytest.importorskip("hetccl.torch.enqueuer")
     q = torch_enqueuer.Enqueuer("test-enqueue")
     ran: list[tuple[int, int]] = []
@@ -178,6 +179,18 @@ def test_the_enqueuing_thread_runs_jobs_in_order_and_reports_an_escaped_error():
     assert q.idle(10.0)
     assert [i for i, _ in ran] == list(range(50))
     assert len({t for _, t in ran}) == 1 and ran[0][1] != threading.get_ident()
+    # where(), for the error of a plan that waited past the deadline: how long the job has run, and where
+    release = threading.Event()
+
+    def dawdles() -> None:
+        release.wait(10.0)
+    q.put(dawdles)
+    time.sleep(0.1)
+    said = q.where()
+    assert said.startswith("the enqueuing thread has run its job for") and "in test_the_enqueuing_thread" in said \
+        and "dawdles" in said, said
+    release.set()
+    assert q.idle(10.0) and q.where().startswith("the enqueuing thread is idle"), q.where()
 
     def fails() -> None:
         raise RuntimeError("job 51")
@@ -203,7 +216,8 @@ class _Group:
 async def test_a_deferred_host_side_keeps_its_turn_and_runs_the_plan_made_on_another_thread():
     """hierarchical.Deferred: its host side takes the communicator's turn at once (a collective issued after
     it waits), runs the host side planned later on another thread, and a plan the host side has given up on
-    (past the deadline) lets the stream go and raises on the planning thread."""
+    (past the deadline) lets the stream go and raises on the planning thread; the timeout says where the
+    planning thread stands."""
     from hetccl import hierarchical
 
     group = _Group(timeout=2.0)
@@ -232,8 +246,9 @@ async def test_a_deferred_host_side_keeps_its_turn_and_runs_the_plan_made_on_ano
 
     group.settings.timeout = 0.1
     events.clear()
-    late = hierarchical.Deferred(group, "all_gather", lambda stream, early: make("late"))
-    with pytest.raises(CollectiveTimeout, match="not planned before the deadline"):
+    late = hierarchical.Deferred(group, "all_gather", lambda stream, early: make("late"),
+                                 explain=lambda: "the planner stands here")
+    with pytest.raises(CollectiveTimeout, match="not planned before the deadline.*; the planner stands here"):
         await late.host_side()
     with pytest.raises(Exception, match="gave up"):
         await asyncio.to_thread(late.plan, "stream", None)

@@ -792,7 +792,7 @@ class HetcclBackend(dist.ProcessGroup):
         collective stream stores after the collective: wait() makes the waiter's stream wait for it."""
         name, args, kwargs = ordered
         dev = stream.device_index
-        deferred = self._acomm.defer_ordered(name, args, kwargs)
+        deferred = self._acomm.defer_ordered(name, args, kwargs, self._enqueuer.where)
         if deferred is None:
             return None
         words = streamorder.words_for(dev)  # the plan above has it (or raised)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from hetccl.errors import HetcclError
+from hetccl.hangreport import thread_frames
 
 _IDLE_WAKE_S = 1.0  # an idle thread's wait, renewed (a wait without a deadline is none of hetccl's)
 
@@ -34,6 +35,7 @@ class Enqueuer:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._started = 0.0  # when the running job began (time.monotonic)
         self._closed = False
         self._escaped: BaseException | None = None
 
@@ -54,6 +56,17 @@ class Enqueuer:
         with self._cv:
             return self._cv.wait_for(lambda: not self._jobs and not self._busy, timeout)
 
+    def where(self) -> str:
+        """What the thread is doing, for an error that waited for it: idle, or how long its job has run and
+        where its thread stands (innermost frames first)."""
+        with self._cv:
+            busy, started, queued, thread = self._busy, self._started, len(self._jobs), self._thread
+        if not busy:
+            return f"the enqueuing thread is idle ({queued} jobs queued)"
+        at = " <- ".join(thread_frames(thread.ident if thread is not None else None)[:4])
+        return (f"the enqueuing thread has run its job for {time.monotonic() - started:.1f} s ({queued} more "
+                f"queued), at {at or '?'}")
+
     def close(self, timeout: float) -> None:
         """Run what is queued, then stop the thread (waiting at most `timeout` s for it)."""
         with self._cv:
@@ -73,7 +86,7 @@ class Enqueuer:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
-                self._busy = True
+                self._busy, self._started = True, time.monotonic()
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 (a job's own handler failed: the caller hears of it)
