@@ -16,13 +16,13 @@ under HETCCL_DUMP_DIR when that is set.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import secrets
 import socket
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -41,7 +41,14 @@ log = logging.getLogger("hetccl")
 RECENT = 16  # records per communicator in a report
 FRAMES = 6  # innermost frames of each thread or task in an answer
 STACKS = 16  # threads, and tasks, in an answer
-_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+
+
+@functools.cache
+def _stdlib() -> tuple[str, ...]:
+    """The standard library's folders (looked up at the first report, not at import)."""
+    import sysconfig
+
+    return tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 
 
 def _frames(frames: Any) -> list[str]:
@@ -50,7 +57,7 @@ def _frames(frames: Any) -> list[str]:
     for f, line in frames:
         path = f.f_code.co_filename
         out.append(f"{'/'.join(path.split(os.sep)[-2:])}:{line} in {getattr(f.f_code, 'co_qualname', f.f_code.co_name)}"
-                   + (" (stdlib)" if path.startswith(_STDLIB) else ""))
+                   + (" (stdlib)" if path.startswith(_stdlib()) else ""))
         if len(out) == FRAMES:
             break
     return out
@@ -66,6 +73,11 @@ def _await_chain(coro: Any) -> list[tuple[Any, int]]:
         chain.append((frame, frame.f_lineno))
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     return chain[::-1]
+
+
+def chain(frames: list[str]) -> str:
+    """A thread's or task's innermost frames on one line, innermost first (four of them)."""
+    return " <- ".join(frames[:4])
 
 
 def thread_frames(ident: int | None) -> list[str]:
@@ -254,5 +266,5 @@ def format_report(rep: dict[str, Any]) -> str:
         if e.get("behind"):  # the suspects: where each of their threads and tasks stands
             for kind in ("threads", "tasks"):
                 for t in e.get(kind, []):
-                    lines.append(f"    {kind[:-1]} {t['name']}: {' <- '.join(t['frames'][:4])}")
+                    lines.append(f"    {kind[:-1]} {t['name']}: {chain(t['frames'])}")
     return "\n".join(lines)

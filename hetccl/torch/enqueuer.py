@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from hetccl.errors import HetcclError
-from hetccl.hangreport import thread_frames
+from hetccl.hangreport import chain, thread_frames
 
 _IDLE_WAKE_S = 1.0  # an idle thread's wait, renewed (a wait without a deadline is none of hetccl's)
 
@@ -63,7 +63,7 @@ class Enqueuer:
             busy, started, queued, thread = self._busy, self._started, len(self._jobs), self._thread
         if not busy:
             return f"the enqueuing thread is idle ({queued} jobs queued)"
-        at = " <- ".join(thread_frames(thread.ident if thread is not None else None)[:4])
+        at = chain(thread_frames(thread.ident if thread is not None else None))
         return (f"the enqueuing thread has run its job for {time.monotonic() - started:.1f} s ({queued} more "
                 f"queued), at {at or '?'}")
 
