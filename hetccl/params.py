@@ -356,6 +356,10 @@ TABLE: dict[str, Param] = {p.name: p for p in (
        agree=True),
     _P("HETCCL_CROSS_SMALL_BYTES", "size", 256 << 10, "cross-island all_reduces up to this size go through host "
        "memory in one piece where the GPU-signalled link is not used", "hetccl.gpu.staging", agree=True),
+    _P("HETCCL_WORDS_YIELD_US", "float", 0.0, "after each new wait, the stream-order watcher looks for the words "
+       "that GPU streams store between sched_yield calls this long (microseconds) before it sleeps 20 us between "
+       "looks: a small cross-island collective's host step starts sooner, for a core kept busy meanwhile",
+       "hetccl.gpu.streamorder", lo=0.0, hi=1e6),
     _P("HETCCL_STREAM_MEMOPS", "bool", True, "`0`: the cross-island link is signalled by the CPU instead of GPU "
        "stream memory operations", "hetccl.bindings.streamops"),
     _P("HETCCL_GPU_BLOCKING", "bool", False, "`1`: device collectives return once complete instead of once enqueued "

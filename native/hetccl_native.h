@@ -219,11 +219,13 @@ void hccl_pump_free(hccl_pump *p);
  * hccl_words_wait: the watcher's look at the 32-bit words that GPU streams store into host memory, with no
  * GIL. Waits until word *addrs[i] reaches generation gens[i] for some i (serial comparison: the word minus
  * the generation, as int32, is >= 0), or *bump differs from seen (new waits to look at), or timeout_ns
- * passes, sleeping pause_ns between looks. Returns that i, HCCL_WORDS_BUMPED or HCCL_WORDS_TIMEOUT. */
+ * passes: looking between sched_yield calls for the first yield_ns, then sleeping pause_ns between looks (the
+ * calling thread's timer slack is set to 1 ns at its first call). Returns that i, HCCL_WORDS_BUMPED or
+ * HCCL_WORDS_TIMEOUT. */
 #define HCCL_WORDS_TIMEOUT -1
 #define HCCL_WORDS_BUMPED -2
 int hccl_words_wait(const uint64_t *addrs, const uint32_t *gens, int n, const uint32_t *bump, uint32_t seen,
-                    uint64_t pause_ns, uint64_t timeout_ns);
+                    uint64_t yield_ns, uint64_t pause_ns, uint64_t timeout_ns);
 
 /* ---- a batch of stream operations (hetccl/bindings/streamops.py StreamBatch) -------------------------
  * hccl_stream_batch: enqueues n operations, each 5 uint64 in `ops` (kind, stream, a, b, c), through the GPU

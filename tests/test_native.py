@@ -745,7 +745,7 @@ def test_words_wait(nat):
     def wait(gens: list[int], seen: int = 0, timeout_ns: int = 20_000_000) -> int:
         g = np.array(gens, np.uint32)
         return lib.hccl_words_wait(ffi.cast("uint64_t *", addrs.ctypes.data), ffi.cast("uint32_t *", g.ctypes.data),
-                                   len(g), ffi.cast("uint32_t *", bump.ctypes.data), seen, 10_000, timeout_ns)
+                                   len(g), ffi.cast("uint32_t *", bump.ctypes.data), seen, 50_000, 10_000, timeout_ns)
 
     assert wait([1, 1, 1, 1]) == lib.HCCL_WORDS_TIMEOUT
     words[2] = 1

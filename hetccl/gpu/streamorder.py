@@ -41,13 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import native
+from .. import native, params
 from ..errors import CollectiveTimeout, TransportError
 from .runtime import device_index, torch_mod
 
 WORDS = 1 << 16  # words per device; a word is reused after WORDS others (a generation each time)
 POOL_KEEP = 16  # pinned buffers kept per device
 POLL_S = 20e-6  # the watcher's pause between looks at the words it waits for
+YIELD_S = params.get("HETCCL_WORDS_YIELD_US") * 1e-6  # after a new wait, looks between sched_yield calls so long
 CHECK_S = 0.05  # until()'s pause between looks for a lost peer
 
 
@@ -207,7 +208,9 @@ class _Watcher:
     """One thread that looks at the words the loop waits for and completes their futures: a poll without a
     CUDA call, and without spinning the loop (its timers have millisecond steps). The poll itself is native
     and holds no GIL (hccl_words_wait): a Python poll took the GIL every POLL_S, and each time the caller's
-    thread let it go (any C call) it waited for the watcher to give it back."""
+    thread let it go (any C call) it waited for the watcher to give it back. For YIELD_S after each new wait
+    it may look between sched_yield calls (a small collective's word comes within tens of microseconds, and
+    a pause's sleep costs more than POLL_S), then pauses POLL_S between looks."""
 
     def __init__(self) -> None:
         self._waits: list[tuple[Words, tuple[int, int], asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -243,7 +246,7 @@ class _Watcher:
             gens = np.array([w[1][1] for w in waits], dtype=np.uint32)
             # back at the first word reached, a new wait, or CHECK_S (to drop cancelled waits)
             lib.hccl_words_wait(ffi.cast("uint64_t *", addrs.ctypes.data), ffi.cast("uint32_t *", gens.ctypes.data),
-                                len(waits), bump, seen, int(POLL_S * 1e9), int(CHECK_S * 1e9))
+                                len(waits), bump, seen, int(YIELD_S * 1e9), int(POLL_S * 1e9), int(CHECK_S * 1e9))
             done = {id(w): w for w in waits if w[0].reached(w[1])}
             if done:
                 with self._cond:
