@@ -31,7 +31,7 @@ from hetccl import lifecycle, params
 from hetccl.dtypes import parse_dtype, parse_op
 from hetccl.errors import ConfigError
 from hetccl.gpu import streamorder
-from hetccl.gpu.runtime import CALLER_STREAM, record_event, stream_waits, torch_stream, use_device
+from hetccl.gpu.runtime import CALLER_STREAM, on_stream, record_event, stream_waits, torch_stream, use_device
 from hetccl.gpu.vendor_comm import blocking
 from hetccl.torch.enqueuer import Enqueuer
 
@@ -842,10 +842,12 @@ class HetcclBackend(dist.ProcessGroup):
             early = self._early_stream(dev, bufs)
             if early is not None:
                 stream_waits(early.cuda_stream, dev, caller_done)
-            planned = deferred.plan(stream, early)
-            planned.device_side()
-            if after is not None:
-                with torch.cuda.stream(stream):
+            # this thread's own current stream is the legacy default one, which the caller's wait() may hold on
+            # this very collective's end word: nothing of the plan may go there
+            with on_stream(stream):
+                planned = deferred.plan(stream, early)
+                planned.device_side()
+                if after is not None:
                     after()
             words.signal(stream.cuda_stream, end)  # wait() on another stream also waits for the copies back
             self._tensors_in_use(stream, [bufs, result], lambda: words.reached(end))
