@@ -576,7 +576,8 @@ def ordered_plan(group: Group, name: str, args: tuple[Any, ...]) -> Callable[[An
                           f"rank {group.rank} has none on its device "
                           f"({streamorder.unavailable_reason(bufs[0].device)}); set HETCCL_TORCH_STREAM_ORDER=0 on "
                           "every rank")
-    if name in _LINK_PLANS and lay.leaders is group and _pair_link_applies(group, lay):
+    small_host = name == "all_reduce" and not staging.PAIRLINK_SMALL and bufs[0].nbytes <= staging.SMALL_BYTES
+    if name in _LINK_PLANS and lay.leaders is group and not small_host and _pair_link_applies(group, lay):
         link = lay.link
         if link is None:
             return None  # the loop makes the link in this collective (every rank alike: nothing else is in flight)

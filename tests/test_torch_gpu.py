@@ -95,6 +95,8 @@ def test_fsdp2_cuda_matches_nccl(tmp_path, variant):
 TWO_ISLANDS = {**CUDA_ENV, "TEST_ISLANDS": "nvidia-0,nvidia-1"}
 PATHS = {"link": {}, "shm": {"HETCCL_PAIRLINK": "0"}, "tcp": {"HETCCL_PAIRLINK": "0", "HETCCL_TRANSPORTS": "tcp"},
          "hosts": {"HETCCL_HOST": "h0,h1", "TEST_CHECK_HOSTS": "h0,h1"}}
+# the link for large messages, small all_reduces by the host round trip (copies only, no kernel)
+LINK_SMALL_HOST = {"HETCCL_PAIRLINK_SMALL": "0"}
 
 
 ORDERS = {"held": {"HETCCL_TORCH_STREAM_ORDER": "0"}, "stream": {}, "late": {"HETCCL_TORCH_EARLY_COPIES": "0"},
@@ -108,6 +110,7 @@ THREAD_HANGS = pytest.mark.xfail(strict=True, reason="HETCCL_TORCH_ENQUEUE_THREA
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("path,order", [(p, o) for p in sorted(PATHS) for o in ("held", "stream")] +
                          [(p, "late") for p in ("hosts", "shm", "tcp")] +  # the link stages nothing
+                         [("link-small-host", "stream")] +
                          [pytest.param(p, "thread", marks=THREAD_HANGS) for p in ("hosts", "link")])
 def test_two_islands_every_op(path, order):
     """Every op, async work, and many collectives in flight fed from a side stream (the wrong results, stalls
@@ -117,8 +120,9 @@ def test_two_islands_every_op(path, order):
     device), "held": HETCCL_TORCH_STREAM_ORDER=0, "late": HETCCL_TORCH_EARLY_COPIES=0 (the copies out of the
     caller's data on the collective stream, behind the collectives before it; the default puts them on a second
     stream), "thread": HETCCL_TORCH_ENQUEUE_THREAD=1 (the process group's enqueuing thread plans and enqueues the
-    device side; experimental, off by default: the caller's thread does it)."""
-    env = {**TWO_ISLANDS, **PATHS[path], **ORDERS[order]}
+    device side; experimental, off by default: the caller's thread does it); "link-small-host": the link with
+    HETCCL_PAIRLINK_SMALL=0."""
+    env = {**TWO_ISLANDS, **PATHS.get(path, LINK_SMALL_HOST), **ORDERS[order]}
     run_torchrun(2, "ops", "float32", env=env, timeout=280)
     run_torchrun(2, "async", env=env, timeout=280)
     run_torchrun(2, "inflight", env=env, timeout=280)
