@@ -779,9 +779,13 @@ class HetcclBackend(dist.ProcessGroup):
             self._break(exc)
 
     def _break(self, exc: BaseException) -> None:
-        """Keep the first error of an ordered collective: every later call and wait() raises it."""
+        """Keep the first error of an ordered collective: every later call and wait() raises it. Said at once
+        too: a stream already waiting for the collective goes on (it must not wait forever) and reads a result
+        that is not one, before any call of this rank can raise."""
         if self.broken is None:
             self.broken = exc if isinstance(exc, Exception) else hetccl.HetcclError(repr(exc))
+            log.error("hetccl: a collective ordered on the caller's stream failed; its result is not to be used, "
+                      "and this process group's next call or wait() raises: %s", exc)
 
     def _launch_later(self, ordered: tuple[str, list[Any], dict[str, Any]], result: Any,
                       after: Callable[[], None] | None, caller: Any, stream: torch.cuda.Stream,
@@ -853,7 +857,6 @@ class HetcclBackend(dist.ProcessGroup):
             self._tensors_in_use(stream, [bufs, result], lambda: words.reached(end))
         except BaseException as exc:  # noqa: BLE001 (raised by this group's next call or wait())
             self._break(exc)
-            log.debug("hetccl: an ordered collective's device side failed: %r", exc)
             cf.cancel()
             if planned is not None:
                 planned.abandon()
