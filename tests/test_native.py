@@ -758,3 +758,35 @@ def test_words_wait(nat):
     t0 = time.monotonic()
     assert wait([1, 1, 1, 7], timeout_ns=5 * 10**9) == 3
     assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/timerslack_ns"), reason="Linux's per-thread timer slack")
+def test_words_wait_sleeps_without_timer_slack(nat):
+    """The watcher's 20 us pauses must not take the kernel's default 50 us of slack on top (a 20 us sleep took
+    94 us on a 2-core VM): its thread's slack is set to 1 ns at its first wait, and only that thread's."""
+    import ctypes
+
+    ffi, lib = nat.ffi, nat.lib
+    word, bump = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+    addr, gen = np.array([word.ctypes.data], np.uint64), np.array([1], np.uint32)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def slack() -> int:
+        with open(f"/proc/{threading.get_native_id()}/timerslack_ns") as f:  # this thread's own, by its id
+            return int(f.read())
+
+    seen: list[int] = []
+
+    def watcher() -> None:
+        assert libc.prctl(29, ctypes.c_ulong(50_000), 0, 0, 0) == 0  # PR_SET_TIMERSLACK: the default, whatever
+        seen.append(slack())  # this thread inherited from the one that made it
+        lib.hccl_words_wait(ffi.cast("uint64_t *", addr.ctypes.data), ffi.cast("uint32_t *", gen.ctypes.data), 1,
+                            ffi.cast("uint32_t *", bump.ctypes.data), 0, 0, 20_000, 1_000_000)
+        seen.append(slack())
+
+    mine = slack()
+    t = threading.Thread(target=watcher)
+    t.start()
+    t.join(10)
+    assert seen == [50_000, 1]
+    assert slack() == mine  # the caller's thread keeps its own
