@@ -24,9 +24,10 @@ the loop thread sat in cudaEventDestroy, and also cudaHostRegister and cudaFree 
 NCCL's proxy thread is safe the same way: its kernels wait for a thread that makes no CUDA call.
 
 A failed host side stores every b word, so the stream never waits forever (its result is not to be used; the
-torch backend raises the error at the next call or wait()). Pinned buffers are pooled per device and reused
-once the stream has passed word c and the host side has let go of them; they are allocated and dropped on the
-caller's thread only.
+torch backend logs the error at once and raises it at the next call or wait()). Pinned buffers are pooled per
+device and reused once the stream has passed word c and the host side has let go of them; they are allocated
+and dropped on the thread that enqueues the device side only (the caller's, or the torch backend's enqueuing
+thread), never on the loop.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Words:
         self.ops.wait_geq(stream, self.address(word), word[1])
 
     def pinned(self, nbytes: int) -> _Pinned:
-        """A pinned buffer of at least nbytes that no stream nor host side still uses (caller's thread)."""
+        """A pinned buffer of at least nbytes that no stream nor host side still uses (the enqueuing thread)."""
         torch = torch_mod()
         with self._lock:
             free = [p for p in self._pool if p.nbytes >= nbytes and p.idle(self)]  # the size first: it is cheaper
