@@ -5,6 +5,9 @@ zero-copy link joins the ranks.
 - `staged_all_reduce`: the same pipelined by chunk (device-to-host copy of chunk k+1 overlapping the exchange
   of chunk k and the host-to-device copy of chunk k-1), the reduction on the host or, where every leader holds
   device memory, on the devices;
+- `packed_all_reduce`, `packed_all_gather`, `packed_reduce_scatter`: with a compressed wire
+  (HETCCL_CROSS_COMPRESS) between GPU leaders, packed and unpacked on the device (gpu/codec.py), pipelined by
+  piece (the copy out of piece k+1 and the copy back of piece k-1 overlapping the exchange of piece k);
 - `staged`: any collective on whole host copies of its device buffers.
 
 The host collectives run on a group given by the caller (`Leaders`): this module knows nothing of
