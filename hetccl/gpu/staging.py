@@ -182,7 +182,7 @@ async def _packed_exchange(leaders: Leaders, device: Any, stream: Any, deadline:
     pinned receive bytes) once that copy has landed, and its received bytes copied back and unpacked on the
     stream at once (`unpack(i, got)`), so that one piece's copies and kernels overlap the next one's wire."""
     torch = torch_mod()
-    sent_each, got_each = sent_bytes // count, got_bytes // count
+    sent_each, got_each = sent_bytes // max(count, 1), got_bytes // max(count, 1)  # no piece: an empty op
     with lease("pinned", device, sent_bytes + got_bytes, 1) as pinned, \
             lease("device", device, sent_bytes + got_bytes, 1) as scratch:
         host, dev = pinned[0], scratch[0]
