@@ -108,7 +108,9 @@ def test_error_feedback_keeps_ddp_on_the_uncompressed_loss() -> None:
 def test_the_device_codec_packs_the_host_codecs_bytes(wire: int) -> None:
     """gpu/codec.py (the GPU leaders' packing, run here on CPU tensors: the same torch operations) against
     native.pack byte for byte, groups and their scales included, at aligned and odd byte offsets, and its round
-    trip against compress.round_trip in blocks of 2 and 3 leaders."""
+    trip against compress.round_trip in blocks of 2 and 3 leaders. An infinity packs as the host packs it (in
+    fp8 the NaN code with its sign: torch's own cast saturates it to 448, so an overflow would cross as a finite
+    value); a NaN stays a NaN, whatever its bits."""
     torch = pytest.importorskip("torch")
     from hetccl import compress
     from hetccl.dtypes import Buf
@@ -118,6 +120,8 @@ def test_the_device_codec_packs_the_host_codecs_bytes(wire: int) -> None:
     for n in (1, 7, GROUP, 1500, 70_000):
         x = (rng.standard_normal(n) * 2.0 ** rng.integers(-30, 30, n)).astype(np.float32)
         x[:min(n, 5)] = [0.0, 3e-45, -1e-40, 448.0, -0.0][:min(n, 5)]
+        if n > GROUP:
+            x[[6, GROUP + 1, n - 1]] = [np.inf, -np.inf, np.nan]
         want = np.zeros(native.wire_size(n, wire), np.uint8)
         native.pack(want, x, n, DType.FLOAT32, wire)
         back = np.zeros(n, np.float32)
@@ -125,7 +129,12 @@ def test_the_device_codec_packs_the_host_codecs_bytes(wire: int) -> None:
         for skip in (0, 3):  # the host's layout may put a piece at an odd byte (the device views need alignment)
             got = torch.zeros(skip + codec.wire_size(n, wire), dtype=torch.uint8)
             codec.pack(got[skip:], torch.from_numpy(x), wire)
-            np.testing.assert_array_equal(got[skip:].numpy(), want, f"n={n}, at byte {skip}")
+            mine = got[skip:].numpy().copy()
+            if n > GROUP:  # the NaN's bytes: any NaN (torch's bf16 NaN is 0xffff, the host's 0x7fc0)
+                nan_at = slice(4 * -(-n // GROUP) + n - 1, None) if wire == FP8 else slice(2 * n - 2, None)
+                assert np.isnan(codec.unpack(torch.from_numpy(mine), n, wire)[-1].item())
+                mine[nan_at] = want[nan_at]
+            np.testing.assert_array_equal(mine, want, f"n={n}, at byte {skip}")
             packed = torch.from_numpy(np.concatenate([np.zeros(skip, np.uint8), want]))
             np.testing.assert_array_equal(codec.unpack(packed[skip:], n, wire).numpy(), back)
         for k in (2, 3):
