@@ -60,7 +60,8 @@ def error_feedback_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.
     """Average the bucket as allreduce_hook does, with error feedback for HETCCL_CROSS_COMPRESS: only the
     bytes between islands are compressed (inside islands, and in every sum, the gradients stay fp32), and this
     hook keeps what compression took from this rank's values (the bucket minus what crossed,
-    `Communicator.first_hop`) and adds it to the bucket's next step, so that the error does not accumulate.
+    `Communicator.first_hop`) and adds it to the bucket's next step, so that the error does not accumulate. A
+    value that is not finite (a step that overflowed) leaves no residual.
     Exact for islands of one rank each (a rank's values are what its leader sends); elsewhere, on other
     backends and where nothing is compressed, it is allreduce_hook."""
     group = _group(state.group)
@@ -75,7 +76,10 @@ def error_feedback_hook(state: ErrorFeedback, bucket: dist.GradBucket) -> torch.
         # on the GPU the device packs and unpacks what would cross, on the current stream (gpu/codec.py)
         sent = comm.async_comm.first_hop(buf if buf.is_cuda else buf.numpy())
         if sent is not None:
-            state.residuals[key] = buf - (sent if buf.is_cuda else torch.from_numpy(sent))
+            # an overflowed step (inf or NaN in the bucket: one GradScaler skips) leaves no residual there: kept,
+            # it would make every later step's bucket NaN
+            residual = buf - (sent if buf.is_cuda else torch.from_numpy(sent))
+            state.residuals[key] = residual.nan_to_num_(0.0, 0.0, 0.0)
         else:
             state.residuals.pop(key, None)
     work = dist.all_reduce(buf, group=group, async_op=True)
