@@ -5,9 +5,6 @@ zero-copy link joins the ranks.
 - `staged_all_reduce`: the same pipelined by chunk (device-to-host copy of chunk k+1 overlapping the exchange
   of chunk k and the host-to-device copy of chunk k-1), the reduction on the host or, where every leader holds
   device memory, on the devices;
-- `packed_all_reduce`, `packed_all_gather`, `packed_reduce_scatter`: with a compressed wire
-  (HETCCL_CROSS_COMPRESS) between GPU leaders, packed and unpacked on the device (gpu/codec.py), pipelined by
-  piece (the copy out of piece k+1 and the copy back of piece k-1 overlapping the exchange of piece k);
 - `staged`: any collective on whole host copies of its device buffers.
 
 The host collectives run on a group given by the caller (`Leaders`): this module knows nothing of
@@ -18,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from .. import params
@@ -81,63 +78,32 @@ async def small_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, 
 async def packed_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,
                             chunks: LeaderChunks) -> None:
     """all_reduce of device tensor t among GPU leaders with a compressed wire, the same collectives as the
-    ordered schedule's (one all_gather of packed bytes per chunk, in chunk order): the stream packs every chunk
-    and copies each to pinned host memory; each chunk's all_gather starts once its copy has landed, and its
-    packed blocks go back to the stream at once, to be unpacked and reduced in leader order, so that the copies
-    and kernels of one chunk overlap the wire of the next (done whole, the wire waited for every copy out, and
-    the copies back for the whole wire)."""
+    ordered schedule's (one all_gather of packed bytes per chunk, in chunk order): the stream packs every chunk,
+    the packed bytes go through pinned host memory, and the stream unpacks and reduces them in leader order."""
     torch = torch_mod()
     k, me = leaders.size, leaders.rank
     flat = t.view(-1)
     with lease("pinned", t.device, k * chunks.total, 1) as pinned, \
             lease("device", t.device, (k + 1) * chunks.total, 1) as scratch:
         host, mine, back = pinned[0], scratch[0][:chunks.total], scratch[0][chunks.total:]
-        arr = host.numpy()
         with torch.cuda.stream(stream):
             chunks.pack(mine, flat)
-            copied = [_copied(host[k * at + me * size:k * at + (me + 1) * size], mine[at:at + size], stream)
-                      for at, size in zip(chunks.starts, chunks.sizes, strict=True)]
-        async with _drained(stream, deadline):
-            for j, (at, size) in enumerate(zip(chunks.starts, chunks.sizes, strict=True)):
-                await wait_event(copied[j], deadline, "device-to-host staging")
-                every = Buf(arr[k * at:k * (at + size)], DType.UINT8, k * size)
-                await leaders.flat_all_gather(every, Buf(arr[k * at + me * size:k * at + (me + 1) * size],
-                                                         DType.UINT8, size))
-                with torch.cuda.stream(stream):
-                    back[k * at:k * (at + size)].copy_(host[k * at:k * (at + size)], non_blocking=True)
-                    chunks.reduce_span(j, j + 1, flat, back[k * at:], op, reduce_inplace)
-
-
-def _copied(dst: Any, src: Any, stream: Any) -> Any:
-    """On `stream` (current): dst <- src, and the event recorded after it."""
-    dst.copy_(src, non_blocking=True)
-    ev = torch_mod().cuda.Event()
-    ev.record(stream)
-    return ev
-
-
-@contextlib.asynccontextmanager
-async def _drained(stream: Any, deadline: float) -> AsyncIterator[None]:
-    """Around a pipeline's host collectives: then wait until `stream` has done what was queued on it (leased
-    buffers are free once it has). Where a collective failed half way, copies of later pieces may still be
-    queued: they are waited for too (a few seconds past the deadline at most), and the collective's error is
-    the one raised."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await _stream_done(stream, max(deadline, asyncio.get_running_loop().time() + _DRAIN_GRACE_S))
-        raise
-    await _stream_done(stream, deadline)
-
-
-_DRAIN_GRACE_S = 5.0
-
-
-async def _stream_done(stream: Any, deadline: float) -> None:
-    done = torch_mod().cuda.Event()
-    done.record(stream)
-    await wait_event(done, deadline, "host-to-device staging")
+            for at, size in zip(chunks.starts, chunks.sizes, strict=True):
+                host[k * at + me * size:k * at + (me + 1) * size].copy_(mine[at:at + size], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        await wait_event(copied, deadline, "device-to-host staging")
+        arr = host.numpy()
+        for at, size in zip(chunks.starts, chunks.sizes, strict=True):
+            every = Buf(arr[k * at:k * (at + size)], DType.UINT8, k * size)
+            await leaders.flat_all_gather(every, Buf(arr[k * at + me * size:k * at + (me + 1) * size], DType.UINT8,
+                                                     size))
+        with torch.cuda.stream(stream):
+            back.copy_(host, non_blocking=True)
+            chunks.reduce_span(0, len(chunks.sizes), flat, back, op, reduce_inplace)  # chunk j at k * starts[j]
+            done = torch.cuda.Event()
+            done.record(stream)
+        await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
 
 
 async def packed_all_gather(leaders: Leaders, every: Any, own: Any, stream: Any, deadline: float,
@@ -153,7 +119,8 @@ async def packed_all_gather(leaders: Leaders, every: Any, own: Any, stream: Any,
                                                                             DType.UINT8, n * slot),
                                                                         Buf(sent[i * slot:(i + 1) * slot],
                                                                             DType.UINT8, slot)),
-                           m, lambda i, got: codec.unpack_piece(every, got, pieces, slot, n, kk, i, wire))
+                           m, lambda got: [codec.unpack_piece(every, got, pieces, slot, n, kk, i, wire)
+                                           for i in range(m)])
 
 
 async def packed_reduce_scatter(leaders: Leaders, region: Any, acc: Any, op: ReduceOp, stream: Any, deadline: float,
@@ -169,36 +136,36 @@ async def packed_reduce_scatter(leaders: Leaders, region: Any, acc: Any, op: Red
                                                                             DType.UINT8, n * slot),
                                                                         Buf(sent[i * n * slot:(i + 1) * n * slot],
                                                                             DType.UINT8, n * slot)),
-                           m, lambda i, got: codec.reduce_piece(region, got, pieces, slot, n, i, wire,
-                                                                lambda d, s: reduce_inplace(d, s, op)))
+                           m, lambda got: [codec.reduce_piece(region, got, pieces, slot, n, i, wire,
+                                                              lambda d, s: reduce_inplace(d, s, op))
+                                           for i in range(m)])
 
 
 async def _packed_exchange(leaders: Leaders, device: Any, stream: Any, deadline: float, sent_bytes: int,
                            got_bytes: int, pack: Callable[[Any], None],
                            collective: Callable[[int, Any, Any], Awaitable[None]], count: int,
-                           unpack: Callable[[int, Any], None]) -> None:
-    """Packed on the stream into device scratch, then `count` pieces (sent_bytes and got_bytes in equal parts,
-    in order): each piece copied to pinned memory, its host collective (from the pinned send bytes to the
-    pinned receive bytes) once that copy has landed, and its received bytes copied back and unpacked on the
-    stream at once (`unpack(i, got)`), so that one piece's copies and kernels overlap the next one's wire."""
+                           unpack: Callable[[Any], Any]) -> None:
+    """Packed on the stream into device scratch, one copy to pinned memory, `count` host collectives in order
+    (each from the pinned send bytes to the pinned receive bytes), one copy back, unpacked on the stream."""
     torch = torch_mod()
-    sent_each, got_each = sent_bytes // max(count, 1), got_bytes // max(count, 1)  # no piece: an empty op
     with lease("pinned", device, sent_bytes + got_bytes, 1) as pinned, \
             lease("device", device, sent_bytes + got_bytes, 1) as scratch:
         host, dev = pinned[0], scratch[0]
-        arr = host.numpy()
         with torch.cuda.stream(stream):
             pack(dev[:sent_bytes])
-            copied = [_copied(host[i * sent_each:(i + 1) * sent_each], dev[i * sent_each:(i + 1) * sent_each], stream)
-                      for i in range(count)]
-        async with _drained(stream, deadline):
-            for i in range(count):
-                await wait_event(copied[i], deadline, "device-to-host staging")
-                await collective(i, arr[:sent_bytes], arr[sent_bytes:])
-                lo, hi = sent_bytes + i * got_each, sent_bytes + (i + 1) * got_each
-                with torch.cuda.stream(stream):
-                    dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
-                    unpack(i, dev[sent_bytes:])
+            host[:sent_bytes].copy_(dev[:sent_bytes], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        await wait_event(copied, deadline, "device-to-host staging")
+        arr = host.numpy()
+        for i in range(count):
+            await collective(i, arr[:sent_bytes], arr[sent_bytes:])
+        with torch.cuda.stream(stream):
+            dev[sent_bytes:].copy_(host[sent_bytes:], non_blocking=True)
+            unpack(dev[sent_bytes:])
+            done = torch.cuda.Event()
+            done.record(stream)
+        await wait_event(done, deadline, "host-to-device staging")  # the leased buffers are free once copied
 
 
 async def staged_all_reduce(leaders: Leaders, t: Any, op: ReduceOp, stream: Any, deadline: float,
